@@ -1,0 +1,72 @@
+"""The one validated settings object: environment (prefix ``EAGLEGEN_``) overridden by flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServerSpec(BaseModel):
+    """One SGLang server a worker may call."""
+
+    name: str
+    url: str
+    numa_node: int | None = None
+    max_inflight: int | None = Field(default=None, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"server url must start with http:// or https://, got {value!r}")
+        return value.rstrip("/")
+
+
+class Settings(BaseSettings):
+    """Everything a process needs to find its services; flags override the environment."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="EAGLEGEN_", extra="ignore", hide_input_in_errors=True
+    )
+
+    database_url: str | None = None
+    broker_url: str | None = None
+    data_dir: Path = Path(".eaglegen")
+    servers: list[ServerSpec] = Field(default_factory=list)
+    worker_concurrency: int = Field(default=64, ge=1, le=4096)
+    max_attempts: int = Field(default=5, ge=1)
+    request_timeout_s: float = Field(default=3600.0, gt=0)
+    lease_seconds: int = Field(default=600, ge=5)
+    queue: str = "eaglegen"
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_scheme(cls, value: str | None) -> str | None:
+        return None if value is None else normalize_database_url(value)
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_scheme(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value).scheme not in ("redis", "rediss", "redis+socket"):
+            raise ValueError(f"broker url must be a redis:// url, got scheme of {redact(value)}")
+        return value
+
+
+def normalize_database_url(url: str) -> str:
+    """Point any Postgres URL at the psycopg 3 driver; reject other databases."""
+    scheme = urlsplit(url).scheme
+    if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
+        return "postgresql+psycopg" + url[len(scheme) :]
+    raise ValueError(f"database url must be postgresql://, got {redact(url)}")
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced, for logs and --json output."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

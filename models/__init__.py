@@ -1,0 +1,1 @@
+"""Postgres models and the repository: the only package that contains SQL."""

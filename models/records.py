@@ -1,0 +1,89 @@
+"""Plain values passed in and out of the repository (no SQLAlchemy objects leak out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What identifies a run's tokenization; a run never mixes two of these."""
+
+    name: str
+    tokenizer_path: str
+    tokenizer_sha256: str
+    chat_template_sha256: str
+    model_name: str
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset inside a run and the sampling params every one of its jobs uses."""
+
+    name: str
+    source: str
+    sampling_params: dict[str, Any]
+    budget_tokens: int | None = None
+    budget_basis: str = "completion"
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """One templated prompt, ready to insert."""
+
+    row_index: int
+    prompt_sha256: str
+    input_ids: list[int]
+    messages: Any
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A row that cannot become a job."""
+
+    row_index: int
+    reason: str
+    excerpt: str
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    """A job this worker won, with everything needed to call the server."""
+
+    id: int
+    dataset_id: int
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    attempts: int
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """A checked server response, ready to store."""
+
+    output_ids: list[int]
+    finish_type: str
+    finish_matched: Any
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+    server: str
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DatasetCounts:
+    """Jobs by state and token totals of one dataset."""
+
+    run: str
+    dataset: str
+    states: dict[str, int]
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total(self) -> int:
+        """All jobs of the dataset, whatever their state."""
+        return sum(self.states.values())

@@ -1,0 +1,342 @@
+"""The repository: every query eaglegen runs, called by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Engine, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from models.records import (
+    ClaimedJob,
+    DatasetCounts,
+    DatasetSpec,
+    GenerationRecord,
+    NewJob,
+    Rejection,
+    RunSpec,
+)
+from models.schema import Dataset, Generation, Job, RejectedRow, Run
+from models.states import JobState
+
+
+class RunMismatchError(ValueError):
+    """The run exists with a different tokenizer or chat template."""
+
+
+class DatasetMismatchError(ValueError):
+    """The dataset exists with different sampling params."""
+
+
+class _AlreadyRecordedError(Exception):
+    """Raised inside a transaction to roll it back."""
+
+
+class Repository:
+    """All SQL behind named methods; one instance per process, shared by threads."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    # --- runs and datasets -------------------------------------------------------------
+
+    def ensure_run(self, spec: RunSpec) -> int:
+        """The run's id, creating it; refuse a different tokenizer or template."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                pg_insert(Run)
+                .values(
+                    name=spec.name,
+                    tokenizer_path=spec.tokenizer_path,
+                    tokenizer_sha256=spec.tokenizer_sha256,
+                    chat_template_sha256=spec.chat_template_sha256,
+                    model_name=spec.model_name,
+                )
+                .on_conflict_do_nothing(index_elements=[Run.name])
+            )
+            row = conn.execute(
+                select(Run.id, Run.tokenizer_sha256, Run.chat_template_sha256).where(
+                    Run.name == spec.name
+                )
+            ).one()
+        if (row.tokenizer_sha256, row.chat_template_sha256) != (
+            spec.tokenizer_sha256,
+            spec.chat_template_sha256,
+        ):
+            raise RunMismatchError(
+                f"run {spec.name!r} was created with another tokenizer or chat template; "
+                "start a new run (--run NEW_NAME) to use this one"
+            )
+        return int(row.id)
+
+    def ensure_dataset(self, run_id: int, spec: DatasetSpec) -> int:
+        """The dataset's id, creating it; refuse changed sampling params."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                pg_insert(Dataset)
+                .values(
+                    run_id=run_id,
+                    name=spec.name,
+                    source=spec.source,
+                    sampling_params=spec.sampling_params,
+                    budget_tokens=spec.budget_tokens,
+                    budget_basis=spec.budget_basis,
+                )
+                .on_conflict_do_nothing(index_elements=[Dataset.run_id, Dataset.name])
+            )
+            row = conn.execute(
+                select(Dataset.id, Dataset.sampling_params).where(
+                    Dataset.run_id == run_id, Dataset.name == spec.name
+                )
+            ).one()
+        if row.sampling_params != spec.sampling_params:
+            raise DatasetMismatchError(
+                f"dataset {spec.name!r} already has jobs with sampling params "
+                f"{row.sampling_params}; start a new run (--run NEW_NAME) to change them"
+            )
+        return int(row.id)
+
+    # --- producer ----------------------------------------------------------------------
+
+    def insert_jobs(self, dataset_id: int, jobs: Sequence[NewJob]) -> list[int]:
+        """Insert jobs, skipping prompts the dataset already has; the new ids."""
+        if not jobs:
+            return []
+        values = [
+            {
+                "dataset_id": dataset_id,
+                "row_index": job.row_index,
+                "prompt_sha256": job.prompt_sha256,
+                "input_ids": job.input_ids,
+                "prompt_tokens": len(job.input_ids),
+                "messages": job.messages,
+            }
+            for job in jobs
+        ]
+        stmt = (
+            pg_insert(Job)
+            .on_conflict_do_nothing(index_elements=[Job.dataset_id, Job.prompt_sha256])
+            .returning(Job.id)
+        )
+        with self.engine.begin() as conn:
+            return [int(r) for r in conn.scalars(stmt, values)]
+
+    def record_rejections(self, dataset_id: int, rejections: Iterable[Rejection]) -> None:
+        """Store rejected rows; a row rejected again on a re-run is kept once."""
+        values = [
+            {
+                "dataset_id": dataset_id,
+                "row_index": r.row_index,
+                "reason": r.reason,
+                "excerpt": r.excerpt,
+            }
+            for r in rejections
+        ]
+        if not values:
+            return
+        stmt = pg_insert(RejectedRow).on_conflict_do_nothing(
+            index_elements=[RejectedRow.dataset_id, RejectedRow.row_index]
+        )
+        with self.engine.begin() as conn:
+            conn.execute(stmt, values)
+
+    # --- worker ------------------------------------------------------------------------
+
+    def claim(self, job_id: int, worker: str, lease_seconds: int) -> ClaimedJob | None:
+        """Move a queued job to running for ``worker``; None when another worker has it."""
+        stmt = (
+            update(Job)
+            .where(Job.id == job_id, Job.state == JobState.QUEUED.value)
+            .values(
+                state=JobState.RUNNING.value,
+                attempts=Job.attempts + 1,
+                worker=worker,
+                lease_until=func.now() + timedelta(seconds=lease_seconds),
+                updated_at=func.now(),
+            )
+            .returning(Job.id, Job.dataset_id, Job.input_ids, Job.attempts)
+        )
+        with self.engine.begin() as conn:
+            row = conn.execute(stmt).one_or_none()
+            if row is None:
+                return None
+            params = conn.scalar(
+                select(Dataset.sampling_params).where(Dataset.id == row.dataset_id)
+            )
+        return ClaimedJob(
+            id=int(row.id),
+            dataset_id=int(row.dataset_id),
+            input_ids=list(row.input_ids),
+            sampling_params=dict(params or {}),
+            attempts=int(row.attempts),
+        )
+
+    def record(self, job_id: int, worker: str, gen: GenerationRecord) -> bool:
+        """Store the generation and mark the job done, atomically; False if not ours."""
+        try:
+            return self._record(job_id, worker, gen)
+        except _AlreadyRecordedError:
+            return False
+
+    def _record(self, job_id: int, worker: str, gen: GenerationRecord) -> bool:
+        with self.engine.begin() as conn:
+            done = conn.execute(
+                update(Job)
+                .where(
+                    Job.id == job_id,
+                    Job.state == JobState.RUNNING.value,
+                    Job.worker == worker,
+                )
+                .values(
+                    state=JobState.DONE.value,
+                    lease_until=None,
+                    last_error=None,
+                    updated_at=func.now(),
+                    finished_at=func.now(),
+                )
+            )
+            if done.rowcount != 1:
+                return False
+            inserted = conn.scalar(
+                pg_insert(Generation)
+                .values(job_id=job_id, **_generation_values(gen))
+                .on_conflict_do_nothing(index_elements=[Generation.job_id])
+                .returning(Generation.job_id)
+            )
+            if inserted is None:
+                # A stored generation for a job that was still running: keep the first,
+                # roll this transaction back so the job is not marked done twice.
+                raise _AlreadyRecordedError(job_id)
+        return True
+
+    def release(self, job_id: int, worker: str, error: str) -> bool:
+        """Give a running job back to the queue after a retryable error."""
+        return self._finish_attempt(job_id, worker, JobState.QUEUED, error)
+
+    def fail(self, job_id: int, worker: str, error: str) -> bool:
+        """End a running job as failed with the reason."""
+        return self._finish_attempt(job_id, worker, JobState.FAILED, error)
+
+    def _finish_attempt(self, job_id: int, worker: str, target: JobState, error: str) -> bool:
+        values: dict[str, Any] = {
+            "state": target.value,
+            "last_error": error[:4000],
+            "lease_until": None,
+            "updated_at": func.now(),
+        }
+        if target is JobState.FAILED:
+            values["finished_at"] = func.now()
+        stmt = (
+            update(Job)
+            .where(Job.id == job_id, Job.state == JobState.RUNNING.value, Job.worker == worker)
+            .values(**values)
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+    # --- reports -----------------------------------------------------------------------
+
+    def counts(self, run: str | None = None) -> list[DatasetCounts]:
+        """Jobs by state and token totals per dataset, optionally of one run."""
+        states = (
+            select(
+                Run.name.label("run"),
+                Dataset.name.label("dataset"),
+                Job.state,
+                func.count().label("n"),
+                func.sum(Job.prompt_tokens).label("prompt"),
+            )
+            .join(Dataset, Dataset.run_id == Run.id)
+            .join(Job, Job.dataset_id == Dataset.id)
+            .group_by(Run.name, Dataset.name, Job.state)
+        )
+        completions = (
+            select(
+                Run.name.label("run"),
+                Dataset.name.label("dataset"),
+                func.sum(Generation.completion_tokens).label("completion"),
+            )
+            .join(Dataset, Dataset.run_id == Run.id)
+            .join(Job, Job.dataset_id == Dataset.id)
+            .join(Generation, Generation.job_id == Job.id)
+            .group_by(Run.name, Dataset.name)
+        )
+        if run is not None:
+            states = states.where(Run.name == run)
+            completions = completions.where(Run.name == run)
+        with self.engine.connect() as conn:
+            state_rows = conn.execute(states).all()
+            completion_rows = {
+                (r.run, r.dataset): int(r.completion or 0) for r in conn.execute(completions)
+            }
+        return _assemble_counts(state_rows, completion_rows)
+
+    def job(self, job_id: int) -> dict[str, Any] | None:
+        """One job's row as a dict (for tests and `eaglegen` inspection)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(Job).where(Job.id == job_id)).mappings().one_or_none()
+        return None if row is None else dict(row)
+
+    def generation(self, job_id: int) -> dict[str, Any] | None:
+        """One job's generation row as a dict, or None."""
+        with self.engine.connect() as conn:
+            row = (
+                conn.execute(select(Generation).where(Generation.job_id == job_id))
+                .mappings()
+                .one_or_none()
+            )
+        return None if row is None else dict(row)
+
+    def job_ids(self, dataset_id: int | None = None, state: JobState | None = None) -> list[int]:
+        """Ids of jobs, optionally of one dataset and state, in id order."""
+        stmt = select(Job.id).order_by(Job.id)
+        if dataset_id is not None:
+            stmt = stmt.where(Job.dataset_id == dataset_id)
+        if state is not None:
+            stmt = stmt.where(Job.state == state.value)
+        with self.engine.connect() as conn:
+            return [int(i) for i in conn.scalars(stmt)]
+
+    def generation_count(self, job_id: int | None = None) -> int:
+        """How many generation rows exist (for one job, or in all)."""
+        stmt = select(func.count()).select_from(Generation)
+        if job_id is not None:
+            stmt = stmt.where(Generation.job_id == job_id)
+        with self.engine.connect() as conn:
+            return int(conn.scalar(stmt) or 0)
+
+
+def _generation_values(gen: GenerationRecord) -> dict[str, Any]:
+    return {
+        "output_ids": gen.output_ids,
+        "finish_type": gen.finish_type,
+        "finish_matched": gen.finish_matched,
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "cached_tokens": gen.cached_tokens,
+        "e2e_latency": gen.e2e_latency,
+        "server": gen.server,
+        "meta_info": gen.meta_info,
+    }
+
+
+def _assemble_counts(
+    state_rows: Sequence[Any], completions: dict[tuple[str, str], int]
+) -> list[DatasetCounts]:
+    grouped: dict[tuple[str, str], tuple[dict[str, int], int]] = {}
+    for row in state_rows:
+        states, prompt = grouped.get((row.run, row.dataset), ({}, 0))
+        states[row.state] = int(row.n)
+        grouped[(row.run, row.dataset)] = (states, prompt + int(row.prompt or 0))
+    return [
+        DatasetCounts(
+            run=run,
+            dataset=dataset,
+            states={s.value: states.get(s.value, 0) for s in JobState},
+            prompt_tokens=prompt,
+            completion_tokens=completions.get((run, dataset), 0),
+        )
+        for (run, dataset), (states, prompt) in sorted(grouped.items())
+    ]

@@ -1,0 +1,129 @@
+"""The tables of DESIGN §4. Changes go through an Alembic migration too."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from models.states import JobState
+from models.tokens import TokenArray
+
+_STATES = ", ".join(f"'{s.value}'" for s in JobState)
+
+
+class Base(DeclarativeBase):
+    """Declarative base; ``Base.metadata`` is what migrations are checked against."""
+
+
+def _now() -> Mapped[datetime]:
+    return mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)
+
+
+class Run(Base):
+    """One data-generation run for one target model and tokenizer."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    tokenizer_path: Mapped[str] = mapped_column(Text)
+    tokenizer_sha256: Mapped[str] = mapped_column(String(64))
+    chat_template_sha256: Mapped[str] = mapped_column(String(64))
+    model_name: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = _now()
+
+
+class Dataset(Base):
+    """A prompt collection inside a run, with its sampling params and token budget."""
+
+    __tablename__ = "datasets"
+    __table_args__ = (
+        UniqueConstraint("run_id", "name"),
+        CheckConstraint("budget_basis IN ('completion', 'total')", name="budget_basis_known"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(200))
+    source: Mapped[str] = mapped_column(Text)
+    sampling_params: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    budget_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    budget_basis: Mapped[str] = mapped_column(String(16), server_default="completion")
+    used_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    reserved_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    created_at: Mapped[datetime] = _now()
+
+
+class Job(Base):
+    """One prompt to generate from; the state machine lives in ``models.states``."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("dataset_id", "prompt_sha256"),
+        CheckConstraint(f"state IN ({_STATES})", name="state_known"),
+        Index("ix_jobs_state_dataset", "state", "dataset_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"))
+    row_index: Mapped[int] = mapped_column(Integer)
+    prompt_sha256: Mapped[str] = mapped_column(String(64))
+    input_ids: Mapped[list[int]] = mapped_column(TokenArray)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    messages: Mapped[Any] = mapped_column(JSONB)
+    state: Mapped[str] = mapped_column(String(16), server_default=JobState.QUEUED.value)
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    worker: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = _now()
+    updated_at: Mapped[datetime] = _now()
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Generation(Base):
+    """The exact output of one job; the primary key makes a second record impossible."""
+
+    __tablename__ = "generations"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    output_ids: Mapped[list[int]] = mapped_column(TokenArray)
+    finish_type: Mapped[str] = mapped_column(String(16))
+    finish_matched: Mapped[Any] = mapped_column(JSONB, nullable=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    e2e_latency: Mapped[float] = mapped_column(Float)
+    server: Mapped[str] = mapped_column(Text)
+    meta_info: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = _now()
+
+
+class RejectedRow(Base):
+    """A dataset row that never became a job, and why."""
+
+    __tablename__ = "rejected_rows"
+    __table_args__ = (UniqueConstraint("dataset_id", "row_index"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"))
+    row_index: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(Text)
+    excerpt: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = _now()

@@ -1,0 +1,1 @@
+"""Dataset readers, row normalisation, chat templating and enqueueing."""

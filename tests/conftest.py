@@ -1,0 +1,125 @@
+"""Test services: real Postgres and Redis, from EAGLEGEN_TEST_* URLs or embedded ones.
+
+Each test gets its own database (cloned from a migrated template) and its own Redis db.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psycopg
+import pytest
+import redis
+
+from eaglegen.settings import ServerSpec, Settings, normalize_database_url
+from eaglegen.stack import EmbeddedPostgres, EmbeddedRedis
+
+if TYPE_CHECKING:
+    from eaglegen.sim import SimServer
+
+# The suite must not pick up a developer's own configuration.
+for _name in [n for n in os.environ if n.startswith("EAGLEGEN_") and "_TEST_" not in n]:
+    del os.environ[_name]
+
+_counter = itertools.count()
+
+
+def _plain(url: str) -> str:
+    """A SQLAlchemy URL in the form psycopg.connect accepts."""
+    return normalize_database_url(url).replace("postgresql+psycopg", "postgresql", 1)
+
+
+def _with_database(url: str, name: str) -> str:
+    """``url`` pointing at database ``name`` (keeping host, socket and query)."""
+    head, sep, query = url.partition("?")
+    base = head.rsplit("/", 1)[0]
+    return f"{base}/{name}{sep}{query}"
+
+
+@pytest.fixture(scope="session")
+def service_urls() -> Iterator[tuple[str, str]]:
+    """(postgres admin URL, redis base URL) for the whole session."""
+    db_url = os.environ.get("EAGLEGEN_TEST_DATABASE_URL")
+    redis_url = os.environ.get("EAGLEGEN_TEST_REDIS_URL")
+    tmp = Path(tempfile.mkdtemp(prefix="eaglegen-test-"))
+    postgres = None if db_url else EmbeddedPostgres(tmp)
+    redis_server = None if redis_url else EmbeddedRedis(tmp)
+    if postgres is not None:
+        db_url = postgres.start()
+    if redis_server is not None:
+        redis_url = redis_server.start()
+    assert db_url and redis_url
+    try:
+        yield normalize_database_url(db_url), redis_url
+    finally:
+        if redis_server is not None:
+            redis_server.stop()
+        if postgres is not None:
+            postgres.stop()
+
+
+@pytest.fixture(scope="session")
+def template_database(service_urls: tuple[str, str]) -> Iterator[str]:
+    """A database migrated with Alembic once, cloned by every test."""
+    from models.db import upgrade
+
+    admin, _ = service_urls
+    name = f"eaglegen_tpl_{os.getpid()}"
+    with psycopg.connect(_plain(admin), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    upgrade(_with_database(admin, name))
+    yield name
+    with psycopg.connect(_plain(admin), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(service_urls: tuple[str, str], template_database: str) -> Iterator[str]:
+    """A fresh, migrated database for this test only."""
+    admin, _ = service_urls
+    name = f"eaglegen_t_{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(_plain(admin), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    yield _with_database(admin, name)
+    with psycopg.connect(_plain(admin), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def broker_url(service_urls: tuple[str, str]) -> str:
+    """A Redis database of its own, emptied, for this test."""
+    _, base = service_urls
+    db = 1 + next(_counter) % 15
+    url = f"{base.rsplit('/', 1)[0]}/{db}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    client.close()
+    return url
+
+
+@pytest.fixture(scope="session")
+def sim() -> Iterator[SimServer]:
+    """The SGLang simulator on a free loopback port."""
+    from eaglegen.sim import SimConfig, SimServer
+
+    with SimServer(SimConfig(seed=1234)) as server:
+        yield server
+
+
+@pytest.fixture
+def settings(database_url: str, broker_url: str, sim: SimServer, tmp_path: Path) -> Settings:
+    """Settings pointing at this test's database, Redis db and the simulator."""
+    return Settings(
+        database_url=database_url,
+        broker_url=broker_url,
+        data_dir=tmp_path / "data",
+        servers=[ServerSpec(name="sim", url=sim.url)],
+        worker_concurrency=16,
+        queue=f"eaglegen-test-{next(_counter)}",
+    )

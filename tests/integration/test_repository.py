@@ -1,0 +1,124 @@
+"""The claim, the record and the counts against real Postgres."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from models.db import make_engine
+from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
+from models.repository import DatasetMismatchError, Repository, RunMismatchError
+from models.states import JobState
+
+
+@pytest.fixture
+def repo(database_url: str) -> Iterator[Repository]:
+    engine = make_engine(database_url, pool_size=20)
+    yield Repository(engine)
+    engine.dispose()
+
+
+def make_dataset(repo: Repository, n_jobs: int) -> tuple[int, list[int]]:
+    run_id = repo.ensure_run(RunSpec("r", "/tok", "a" * 64, "b" * 64, "tiny"))
+    dataset_id = repo.ensure_dataset(run_id, DatasetSpec("d", "d.jsonl", {"max_new_tokens": 8}))
+    jobs = [NewJob(i, f"{i:064d}", [1, 2, i], {"messages": []}) for i in range(n_jobs)]
+    return dataset_id, repo.insert_jobs(dataset_id, jobs)
+
+
+def generation(n: int = 3) -> GenerationRecord:
+    return GenerationRecord(
+        output_ids=list(range(100, 100 + n)), finish_type="length", finish_matched=n,
+        prompt_tokens=3, completion_tokens=n, cached_tokens=0, e2e_latency=0.1, server="sim",
+    )
+
+
+def test_claim_is_won_exactly_once_under_concurrent_claimers(repo: Repository) -> None:
+    _, ids = make_dataset(repo, 200)
+    wins: Counter[int] = Counter()
+    lock = threading.Lock()
+    barrier = threading.Barrier(8)
+
+    def claimer(name: str) -> None:
+        barrier.wait()
+        for job_id in ids:
+            if repo.claim(job_id, name, lease_seconds=60) is not None:
+                with lock:
+                    wins[job_id] += 1
+
+    threads = [threading.Thread(target=claimer, args=(f"w{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(wins) == sorted(ids)
+    assert set(wins.values()) == {1}
+    assert repo.job_ids(state=JobState.RUNNING) == sorted(ids)
+
+
+def test_claim_returns_ids_and_sampling_params(repo: Repository) -> None:
+    _, ids = make_dataset(repo, 1)
+    claimed = repo.claim(ids[0], "w", lease_seconds=60)
+    assert claimed is not None
+    assert claimed.input_ids == [1, 2, 0]
+    assert claimed.sampling_params == {"max_new_tokens": 8}
+    assert claimed.attempts == 1
+    assert repo.claim(ids[0], "other", lease_seconds=60) is None
+
+
+def test_a_job_recorded_twice_stays_one_row(repo: Repository) -> None:
+    _, ids = make_dataset(repo, 1)
+    assert repo.claim(ids[0], "w", lease_seconds=60) is not None
+    assert repo.record(ids[0], "w", generation()) is True
+    assert repo.record(ids[0], "w", generation(5)) is False
+    assert repo.generation_count(ids[0]) == 1
+    stored = repo.generation(ids[0])
+    assert stored is not None and stored["output_ids"] == [100, 101, 102]
+    job = repo.job(ids[0])
+    assert job is not None and job["state"] == "done"
+
+
+def test_a_worker_that_lost_its_claim_cannot_record(repo: Repository) -> None:
+    _, ids = make_dataset(repo, 1)
+    assert repo.claim(ids[0], "w1", lease_seconds=60) is not None
+    assert repo.release(ids[0], "w1", "503") is True
+    assert repo.claim(ids[0], "w2", lease_seconds=60) is not None
+    assert repo.record(ids[0], "w1", generation()) is False  # stale worker
+    assert repo.record(ids[0], "w2", generation()) is True
+    assert repo.generation_count() == 1
+    job = repo.job(ids[0])
+    assert job is not None and job["attempts"] == 2 and job["worker"] == "w2"
+
+
+def test_fail_keeps_the_last_error(repo: Repository) -> None:
+    _, ids = make_dataset(repo, 1)
+    repo.claim(ids[0], "w", lease_seconds=60)
+    assert repo.fail(ids[0], "w", "HTTP 400: too long") is True
+    job = repo.job(ids[0])
+    assert job is not None
+    assert (job["state"], job["last_error"]) == ("failed", "HTTP 400: too long")
+
+
+def test_insert_is_idempotent_and_counts_by_state(repo: Repository) -> None:
+    dataset_id, ids = make_dataset(repo, 5)
+    again = repo.insert_jobs(dataset_id, [NewJob(0, f"{0:064d}", [1], {})])
+    assert again == []
+    repo.claim(ids[0], "w", lease_seconds=60)
+    repo.record(ids[0], "w", generation(4))
+    [counts] = repo.counts()
+    assert counts.states["done"] == 1 and counts.states["queued"] == 4
+    assert counts.total == 5
+    assert counts.completion_tokens == 4
+    assert counts.prompt_tokens == 15
+
+
+def test_run_and_dataset_identity_is_enforced(repo: Repository) -> None:
+    run_id = repo.ensure_run(RunSpec("r", "/tok", "a" * 64, "b" * 64, "tiny"))
+    assert repo.ensure_run(RunSpec("r", "/tok", "a" * 64, "b" * 64, "tiny")) == run_id
+    with pytest.raises(RunMismatchError, match="new run"):
+        repo.ensure_run(RunSpec("r", "/tok", "c" * 64, "b" * 64, "tiny"))
+    repo.ensure_dataset(run_id, DatasetSpec("d", "x", {"max_new_tokens": 8}))
+    with pytest.raises(DatasetMismatchError, match="new run"):
+        repo.ensure_dataset(run_id, DatasetSpec("d", "x", {"max_new_tokens": 9}))

@@ -1,0 +1,54 @@
+"""Token packing, job state machine, settings and sampling: pure logic."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from eaglegen.sampling import DEFAULTS, complete
+from eaglegen.settings import Settings, normalize_database_url, redact
+from models.states import JobState, can_transition
+from models.tokens import pack, unpack
+
+
+def test_pack_round_trips_the_full_int32_range() -> None:
+    ids = [0, 1, 163606, 163607, 2**31 - 1, 5]
+    assert unpack(pack(ids)) == ids
+    assert len(pack(ids)) == 4 * len(ids)
+
+
+def test_state_machine_allows_only_designed_moves() -> None:
+    assert can_transition(JobState.QUEUED, JobState.RUNNING)
+    assert can_transition(JobState.RUNNING, JobState.QUEUED)
+    assert can_transition(JobState.SKIPPED_BUDGET, JobState.QUEUED)
+    assert not can_transition(JobState.DONE, JobState.QUEUED)
+    assert not can_transition(JobState.QUEUED, JobState.DONE)
+    assert not can_transition(JobState.FAILED, JobState.RUNNING)
+
+
+def test_database_urls_are_normalized_to_psycopg() -> None:
+    assert normalize_database_url("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert normalize_database_url("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
+    with pytest.raises(ValueError, match="postgresql"):
+        normalize_database_url("mysql://u:secret@h/db")
+
+
+def test_redact_hides_passwords() -> None:
+    assert redact("redis://:hunter2@h:6379/0") == "redis://:***@h:6379/0"
+    assert "hunter2" not in redact("postgresql://u:hunter2@h/db")
+    assert redact("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_settings_reject_non_redis_broker_without_leaking_the_password() -> None:
+    with pytest.raises(ValidationError) as info:
+        Settings(broker_url="amqp://guest:topsecret@h//")
+    assert "topsecret" not in str(info.value)
+
+
+def test_sampling_params_are_all_explicit() -> None:
+    params = complete({"max_new_tokens": 128}, stop_token_ids=[4])
+    assert params["max_new_tokens"] == 128
+    assert params["stop_token_ids"] == [4]
+    assert set(DEFAULTS) <= set(params)
+    with pytest.raises(ValueError, match="unknown sampling"):
+        complete({"temprature": 0.5}, stop_token_ids=[4])

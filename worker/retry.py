@@ -1,0 +1,47 @@
+"""Retry policy: which failures retry, and after how long. Pure, no I/O."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from enum import Enum
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class Disposition(Enum):
+    """What to do with a job after a failed attempt."""
+
+    RETRY = "retry"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class AttemptError(Exception):
+    """A failed attempt: the reason and whether another attempt can succeed."""
+
+    reason: str
+    retryable: bool
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def classify_status(status: int) -> bool:
+    """Whether an HTTP status from the server is worth retrying."""
+    return status in RETRYABLE_STATUS or status >= 500
+
+
+def decide(error: AttemptError, attempts: int, max_attempts: int) -> Disposition:
+    """Retry a retryable error while attempts remain; otherwise fail the job."""
+    if error.retryable and attempts < max_attempts:
+        return Disposition.RETRY
+    return Disposition.FAIL
+
+
+def backoff(
+    attempt: int, base_s: float = 1.0, cap_s: float = 60.0, rng: random.Random | None = None
+) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**(attempt-1))]."""
+    ceiling = min(cap_s, base_s * 2 ** max(attempt - 1, 0))
+    return (rng or random).uniform(0, ceiling)

@@ -1,0 +1,87 @@
+"""The SGLang client: one ``httpx.Client`` per server per process, built after any fork."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from eaglegen.settings import ServerSpec
+from worker.retry import AttemptError, classify_status
+
+SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "n",
+        "sampling_seed",
+        "no_stop_trim",
+    }
+)
+
+
+class SGLangClient:
+    """Calls one server's raw ``/generate`` with token ids."""
+
+    def __init__(self, server: ServerSpec, *, timeout_s: float, max_connections: int) -> None:
+        self.server = server
+        self._http = httpx.Client(
+            base_url=server.url,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+        )
+
+    def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str) -> Any:
+        """POST /generate; raise AttemptError (retryable or not) on any failure."""
+        unknown = set(sampling_params) - SAMPLING_KEYS
+        if unknown:
+            raise AttemptError(f"unknown sampling params {sorted(unknown)}", retryable=False)
+        payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
+        try:
+            response = self._http.post("/generate", json=payload)
+        except httpx.TransportError as exc:
+            raise AttemptError(
+                f"{self.server.name}: {type(exc).__name__}: {exc}", retryable=True
+            ) from exc
+        if response.status_code != 200:
+            raise AttemptError(
+                f"{self.server.name}: HTTP {response.status_code}: {_error_message(response)}",
+                retryable=classify_status(response.status_code),
+            )
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise AttemptError(f"{self.server.name}: malformed JSON body", retryable=True) from exc
+
+    def close(self) -> None:
+        """Close pooled connections."""
+        self._http.close()
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]
