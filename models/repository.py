@@ -299,6 +299,20 @@ class Repository:
         with self.engine.connect() as conn:
             return [int(i) for i in conn.scalars(stmt)]
 
+    def rejected_rows(self, dataset_id: int | None = None) -> list[tuple[int, str]]:
+        """(row_index, reason) of rejected rows, in row order."""
+        stmt = select(RejectedRow.row_index, RejectedRow.reason).order_by(RejectedRow.row_index)
+        if dataset_id is not None:
+            stmt = stmt.where(RejectedRow.dataset_id == dataset_id)
+        with self.engine.connect() as conn:
+            return [(int(r.row_index), str(r.reason)) for r in conn.execute(stmt)]
+
+    def sampling_params(self, dataset_id: int) -> dict[str, Any]:
+        """The sampling params every job of the dataset is sent with."""
+        with self.engine.connect() as conn:
+            params = conn.scalar(select(Dataset.sampling_params).where(Dataset.id == dataset_id))
+        return dict(params or {})
+
     def generation_count(self, job_id: int | None = None) -> int:
         """How many generation rows exist (for one job, or in all)."""
         stmt = select(func.count()).select_from(Generation)

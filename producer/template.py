@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ class Templater:
         trust_remote_code: bool = False,
         template_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        # "PyTorch was not found" is advice for model users; we only need the tokenizer.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         from transformers import AutoTokenizer  # heavy: import only where templating happens
 
         self.path = tokenizer_path

@@ -30,8 +30,14 @@ def make_dataset(repo: Repository, n_jobs: int) -> tuple[int, list[int]]:
 
 def generation(n: int = 3) -> GenerationRecord:
     return GenerationRecord(
-        output_ids=list(range(100, 100 + n)), finish_type="length", finish_matched=n,
-        prompt_tokens=3, completion_tokens=n, cached_tokens=0, e2e_latency=0.1, server="sim",
+        output_ids=list(range(100, 100 + n)),
+        finish_type="length",
+        finish_matched=n,
+        prompt_tokens=3,
+        completion_tokens=n,
+        cached_tokens=0,
+        e2e_latency=0.1,
+        server="sim",
     )
 
 

@@ -11,19 +11,30 @@ from producer.rows import RowError, read_jsonl, to_prompt
 
 
 def test_trailing_assistant_turn_is_dropped_and_history_kept() -> None:
-    prompt = to_prompt({"messages": [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "more"},
-        {"role": "assistant", "content": "the answer we regenerate"},
-    ]})
+    prompt = to_prompt(
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "more"},
+                {"role": "assistant", "content": "the answer we regenerate"},
+            ]
+        }
+    )
     assert [m["role"] for m in prompt.messages] == ["user", "assistant", "user"]
 
 
 def test_text_parts_are_joined() -> None:
-    prompt = to_prompt({"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
-    ]})
+    prompt = to_prompt(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ]
+        }
+    )
     assert prompt.messages[0]["content"] == "ab"
 
 

@@ -61,7 +61,7 @@ def test_violations_fail_without_retry(response: Any, needle: str) -> None:
 
 def test_leaked_prompt_tokens_are_caught() -> None:
     # Some SGLang versions prepended the prompt to output_ids and counted it.
-    leaked = PROMPT + [100, STOP]
+    leaked = [*PROMPT, 100, STOP]
     with pytest.raises(AttemptError, match="completion_tokens"):
         check_response(body(leaked, completion_tokens=2), PROMPT, "sim")
 

@@ -1,0 +1,83 @@
+"""A real Celery worker (threads pool) against the simulator and real Postgres and Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from celery.contrib.testing.worker import start_worker
+
+from eaglegen.settings import Settings
+from eaglegen.sim import SimServer
+from models.db import make_engine
+from models.repository import Repository
+from models.states import JobState
+from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
+from worker.app import create_worker_app
+
+
+@pytest.fixture
+def repo(settings: Settings) -> Iterator[Repository]:
+    assert settings.database_url is not None
+    engine = make_engine(settings.database_url)
+    yield Repository(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def running_worker(settings: Settings) -> Iterator[None]:
+    app, context = create_worker_app(settings)
+    with start_worker(
+        app,
+        pool="threads",
+        concurrency=16,
+        perform_ping_check=False,
+        queues=[settings.queue],
+        shutdown_timeout=30,
+    ):
+        yield
+    context.close()
+
+
+def test_every_job_is_done_once_with_the_servers_exact_output(
+    settings: Settings, repo: Repository, sim: SimServer, running_worker: None, tmp_path: Path
+) -> None:
+    enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(80)), max_new_tokens=300)
+    states = wait_settled(repo)
+    assert states["done"] == 80 and sum(states.values()) == 80
+    assert repo.generation_count() == 80
+    with httpx.Client(base_url=sim.url) as client:
+        for job_id in repo.job_ids():
+            job, gen = repo.job(job_id), repo.generation(job_id)
+            assert job is not None and gen is not None
+            claimed_params = repo.sampling_params(job["dataset_id"])
+            direct = client.post(
+                "/generate",
+                json={
+                    "input_ids": job["input_ids"],
+                    "sampling_params": claimed_params,
+                },
+            ).json()
+            assert gen["output_ids"] == direct["output_ids"]
+            assert gen["completion_tokens"] == len(gen["output_ids"])
+            assert gen["prompt_tokens"] == len(job["input_ids"])
+            assert gen["server"] == "sim"
+            assert job["attempts"] == 1
+
+
+def test_a_prompt_too_long_for_the_context_fails_with_the_servers_message(
+    settings: Settings, repo: Repository, running_worker: None, tmp_path: Path
+) -> None:
+    enqueue_file(
+        settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(2)), max_new_tokens=10_000_000
+    )
+    states = wait_settled(repo)
+    assert states["failed"] == 2
+    for job_id in repo.job_ids(state=JobState.FAILED):
+        job = repo.job(job_id)
+        assert job is not None
+        assert "HTTP 400" in job["last_error"] and "context length" in job["last_error"]
+        assert job["attempts"] == 1
+    assert repo.generation_count() == 0
