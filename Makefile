@@ -36,7 +36,7 @@ format: install
 	$(BIN)/ruff format .
 
 bench: install
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench.token_storage
 
 clean:
 	rm -rf $(VENV) .eaglegen .pytest_cache .mypy_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""Sampling params sent to SGLang: every value explicit, since server defaults come from the model."""
+"""Sampling params sent to SGLang: all explicit, since server defaults come from the model."""
 
 from __future__ import annotations
 

@@ -48,8 +48,7 @@ class EmbeddedPostgres:
                 from pgserver.postgres_server import get_server
             except ImportError as exc:  # pragma: no cover - depends on the install
                 raise RuntimeError(
-                    "embedded Postgres needs the 'embedded' extra: "
-                    "pip install 'eaglegen[embedded]'"
+                    "embedded Postgres needs the 'embedded' extra: pip install 'eaglegen[embedded]'"
                 ) from exc
             self._server = get_server(self.pgdata, cleanup_mode=None if keep_running else "stop")
         return socket_url(self._server.get_uri())
@@ -185,3 +184,95 @@ def read_stack_file(data_dir: Path) -> dict[str, Any] | None:
     """What `eaglegen up` recorded, or None."""
     path = data_dir / STACK_FILE
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with ``pid`` exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_pid(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGTERM a detached process and wait for it to go, then SIGKILL."""
+    if not pid_alive(pid):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if pid_alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def check_flower_exposure(address: str, basic_auth: str | None) -> None:
+    """Refuse to serve Flower beyond loopback without authentication."""
+    loopback = address in ("127.0.0.1", "localhost", "::1") or address.startswith("127.")
+    if not loopback and not basic_auth:
+        raise ValueError(
+            f"Flower on {address} would be reachable from other hosts: pass "
+            "--flower-basic-auth USER:PASSWORD (or bind it to 127.0.0.1)"
+        )
+
+
+def up(
+    data_dir: Path,
+    *,
+    database_url: str | None,
+    broker_url: str | None,
+    flower_address: str = "127.0.0.1",
+    flower_port: int = 5555,
+    flower_basic_auth: str | None = None,
+) -> dict[str, Any]:
+    """Start what is not configured (Postgres, Redis) plus Flower; record it for `down`."""
+    check_flower_exposure(flower_address, flower_basic_auth)
+    existing = read_stack_file(data_dir) or {}
+    if existing.get("flower_pid") and pid_alive(int(existing["flower_pid"])):
+        raise ValueError(f"a stack is already up under {data_dir} (run `eaglegen down` first)")
+    info: dict[str, Any] = {"data_dir": str(data_dir.resolve())}
+    if database_url is None:
+        database_url = EmbeddedPostgres(data_dir).start(keep_running=True)
+        info["postgres"] = "embedded"
+    if broker_url is None:
+        redis_server = EmbeddedRedis(data_dir)
+        broker_url = redis_server.start()
+        assert redis_server.process is not None
+        info["redis_pid"] = redis_server.process.pid
+    env = {"CELERY_BROKER_URL": broker_url}
+    if flower_basic_auth:
+        env["FLOWER_BASIC_AUTH"] = flower_basic_auth
+    flower = spawn(
+        "flower", flower_argv(flower_address, flower_port), env, data_dir / "logs" / "flower.log"
+    )
+    info.update(
+        database_url=database_url,
+        broker_url=broker_url,
+        flower_pid=flower.process.pid,
+        flower_url=f"http://{flower_address}:{flower_port}",
+    )
+    write_stack_file(data_dir, info)
+    return info
+
+
+def down(data_dir: Path) -> list[str]:
+    """Stop what `up` started under ``data_dir``; the names of what was stopped."""
+    info = read_stack_file(data_dir)
+    if info is None:
+        return []
+    stopped = []
+    for name in ("flower", "redis"):
+        pid = info.get(f"{name}_pid")
+        if pid:
+            stop_pid(int(pid))
+            stopped.append(name)
+    if info.get("postgres") == "embedded":
+        postgres = EmbeddedPostgres(data_dir)
+        postgres.start()  # a handle in 'stop' mode: releasing the last handle stops the server
+        postgres.stop()
+        stopped.append("postgres")
+    (data_dir / STACK_FILE).unlink()
+    return stopped

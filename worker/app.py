@@ -38,7 +38,7 @@ def create_worker_app(settings: Settings) -> tuple[Celery, _LazyContext]:
     app = make_celery(settings)
     context = _LazyContext(settings)
 
-    @app.task(name=TASK_GENERATE, bind=True, max_retries=None, acks_late=True)  # type: ignore[untyped-decorator]
+    @app.task(name=TASK_GENERATE, bind=True, max_retries=None, acks_late=True, shared=False)  # type: ignore[untyped-decorator]
     def generate(self: Task, job_id: int) -> str:
         result = run_attempt(context.get(), int(job_id))
         if result.outcome is Outcome.RETRY:
