@@ -108,7 +108,9 @@ def sim() -> Iterator[SimServer]:
     """The SGLang simulator on a free loopback port."""
     from eaglegen.sim import SimConfig, SimServer
 
-    with SimServer(SimConfig(seed=1234)) as server:
+    # Faster decode steps than the defaults: tests check behaviour, not timing.
+    config = SimConfig(seed=1234, decode_step_ms=0.5, decode_ms_per_request=0.02)
+    with SimServer(config) as server:
         yield server
 
 

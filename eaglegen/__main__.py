@@ -1,0 +1,5 @@
+"""``python -m eaglegen`` runs the CLI."""
+
+from eaglegen.cli import main
+
+main()

@@ -1,0 +1,274 @@
+"""The `eaglegen` command line: thin wrappers that parse flags and call the packages."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from eaglegen.config import load_settings, parse_servers, require_services
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Regenerate EAGLE-3 training data with the target model's exact tokens.",
+)
+db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
+app.add_typer(db_app, name="db")
+err = Console(stderr=True)
+
+DatabaseUrl = Annotated[str | None, typer.Option(help="Postgres URL [env: EAGLEGEN_DATABASE_URL]")]
+BrokerUrl = Annotated[str | None, typer.Option(help="Redis URL [env: EAGLEGEN_BROKER_URL]")]
+DataDir = Annotated[Path | None, typer.Option(help="Data directory [env: EAGLEGEN_DATA_DIR]")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+
+
+def fail(message: str) -> NoReturn:
+    """Print an error naming what went wrong and exit 2."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def emit_json(document: Any) -> None:
+    """One JSON document on stdout."""
+    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+
+
+@db_app.command("upgrade")
+def db_upgrade(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Create or migrate the schema to the latest revision."""
+    from models.db import upgrade
+
+    settings = load_settings(database_url=database_url, data_dir=data_dir)
+    if settings.database_url is None:
+        fail("no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up`")
+    upgrade(settings.database_url)
+    err.print("database schema is at the latest revision")
+
+
+@app.command()
+def enqueue(
+    file: Annotated[Path, typer.Argument(help='Dataset file (JSONL of {"messages": [...]})')],
+    run: Annotated[str, typer.Option(help="Run name")],
+    dataset: Annotated[str, typer.Option(help="Dataset name inside the run")],
+    tokenizer: Annotated[Path, typer.Option(help="Tokenizer folder (with chat template)")],
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 4096,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.95,
+    model: Annotated[str | None, typer.Option(help="Model name recorded on the run")] = None,
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    broker_url: BrokerUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Template every row with the model's chat template and enqueue one job per prompt."""
+    from producer.commands import run_enqueue
+
+    if not file.is_file():
+        fail(f"{file}: no such file")
+    if not (tokenizer / "tokenizer_config.json").is_file():
+        fail(f"{tokenizer}: not a tokenizer folder (no tokenizer_config.json)")
+    settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
+    try:
+        require_services(settings)
+        summary = run_enqueue(
+            settings,
+            file,
+            run=run,
+            dataset=dataset,
+            tokenizer=tokenizer,
+            sampling={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p},
+            model=model,
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    if json_out:
+        emit_json(summary.as_dict())
+    else:
+        err.print(
+            f"{file}: {summary.accepted} accepted, {summary.rejected} rejected, "
+            f"{summary.duplicates} duplicates",
+            highlight=False,
+        )
+
+
+@app.command()
+def worker(
+    server: Annotated[list[str], typer.Option(help="SGLang server URL or NAME=URL (repeat)")] = [],  # noqa: B006
+    concurrency: Annotated[
+        int | None, typer.Option(min=1, help="Threads (in-flight requests)")
+    ] = None,
+    hostname: Annotated[str | None, typer.Option(help="Celery node name")] = None,
+    database_url: DatabaseUrl = None,
+    broker_url: BrokerUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Run a Celery worker (threads pool) that generates queued jobs."""
+    from worker.app import start
+
+    settings = load_settings(
+        database_url=database_url,
+        broker_url=broker_url,
+        data_dir=data_dir,
+        worker_concurrency=concurrency,
+        servers=parse_servers(server) if server else None,
+    )
+    try:
+        require_services(settings)
+    except ValueError as exc:
+        fail(str(exc))
+    if not settings.servers:
+        fail("no SGLang servers: pass --server URL or set EAGLEGEN_SERVERS")
+    start(settings, hostname=hostname)
+
+
+@app.command()
+def status(
+    run: Annotated[str | None, typer.Option(help="Only this run")] = None,
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Jobs by state per dataset."""
+    from eaglegen.report.status import status_document, status_table
+    from models.db import make_engine
+    from models.repository import Repository
+
+    settings = load_settings(database_url=database_url, data_dir=data_dir)
+    if settings.database_url is None:
+        fail("no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up`")
+    engine = make_engine(settings.database_url, pool_size=1)
+    counts = Repository(engine).counts(run)
+    engine.dispose()
+    if json_out:
+        emit_json(status_document(counts))
+    else:
+        Console().print(status_table(counts))
+
+
+@app.command()
+def demo(
+    json_out: JsonFlag = False,
+    data_dir: DataDir = None,
+    concurrency: Annotated[int, typer.Option(min=1)] = 64,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 1024,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds")] = 600.0,
+) -> None:
+    """Start everything embedded, generate a bundled sample dataset, summarize, stop."""
+    from eaglegen.demo import DemoOptions, run_demo
+
+    settings = load_settings(data_dir=data_dir)
+    summary = run_demo(
+        settings,
+        DemoOptions(concurrency=concurrency, max_new_tokens=max_new_tokens, timeout_s=timeout),
+    )
+    if json_out:
+        emit_json(summary)
+    else:
+        err.print(summary["summary_line"], highlight=False, soft_wrap=True)
+    if summary["jobs"]["done"] != summary["jobs"]["total"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def up(
+    data_dir: DataDir = None,
+    database_url: DatabaseUrl = None,
+    broker_url: BrokerUrl = None,
+    flower_address: Annotated[str, typer.Option(help="Flower bind address")] = "127.0.0.1",
+    flower_port: Annotated[int, typer.Option(help="Flower port")] = 5555,
+    flower_basic_auth: Annotated[
+        str | None,
+        typer.Option(envvar="FLOWER_BASIC_AUTH", help="USER:PASSWORD, required off loopback"),
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Start embedded Postgres and Redis (unless configured) and Flower; migrate the schema."""
+    from eaglegen import stack
+    from eaglegen.settings import redact
+    from models.db import upgrade
+
+    settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
+    try:
+        info = stack.up(
+            settings.data_dir,
+            database_url=settings.database_url,
+            broker_url=settings.broker_url,
+            flower_address=flower_address,
+            flower_port=flower_port,
+            flower_basic_auth=flower_basic_auth,
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    upgrade(info["database_url"])
+    shown = {
+        **info,
+        "database_url": redact(info["database_url"]),
+        "broker_url": redact(info["broker_url"]),
+    }
+    if json_out:
+        emit_json(shown)
+    else:
+        for key in ("database_url", "broker_url", "flower_url", "data_dir"):
+            err.print(f"{key}: {shown[key]}", highlight=False)
+
+
+@app.command()
+def down(data_dir: DataDir = None) -> None:
+    """Stop what `eaglegen up` started."""
+    from eaglegen import stack
+
+    settings = load_settings(data_dir=data_dir)
+    stopped = stack.down(settings.data_dir)
+    err.print(f"stopped: {', '.join(stopped) or 'nothing was up'}")
+
+
+@app.command()
+def sim(
+    host: Annotated[str, typer.Option(help="Bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0 = any free port)")] = 30000,
+    kv_tokens: Annotated[int, typer.Option(help="KV pool size in tokens")] = 159_000,
+    context_length: Annotated[int, typer.Option(help="Model context length")] = 32_768,
+    max_running_requests: Annotated[int, typer.Option(help="Running batch cap")] = 1024,
+    max_queued_requests: Annotated[
+        int | None, typer.Option(help="Waiting-queue cap; beyond it requests get 503")
+    ] = None,
+    max_prefill_tokens: Annotated[int, typer.Option(help="Prefill tokens per batch")] = 16_384,
+    max_output_tokens: Annotated[int, typer.Option(help="Longest natural output")] = 4096,
+    model_path: Annotated[str, typer.Option(help="Model name reported")] = "eaglegen/sim-reasoner",
+    seed: Annotated[int, typer.Option(help="Default sampling seed")] = 0,
+    tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder")] = None,
+    decode_step_ms: Annotated[float, typer.Option(help="Decode step base time")] = 4.0,
+    decode_ms_per_request: Annotated[float, typer.Option(help="Added per running request")] = 0.15,
+    prefill_tokens_per_ms: Annotated[float, typer.Option(help="Prefill speed")] = 50.0,
+    mean_output_tokens: Annotated[int, typer.Option(help="Mean natural output length")] = 300,
+) -> None:
+    """Run the SGLang-compatible simulator (speaks /generate, /metrics, ...)."""
+    from eaglegen.sim import SimConfig, serve
+
+    try:
+        config = SimConfig(
+            host=host,
+            port=port,
+            kv_tokens=kv_tokens,
+            context_length=context_length,
+            max_running_requests=max_running_requests,
+            seed=seed,
+            tokenizer_dir=tokenizer,
+            decode_step_ms=decode_step_ms,
+            decode_ms_per_request=decode_ms_per_request,
+            prefill_tokens_per_ms=prefill_tokens_per_ms,
+            mean_output_tokens=mean_output_tokens,
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    serve(config, on_ready=lambda url: err.print(f"simulator listening on {url}"))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

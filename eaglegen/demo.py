@@ -1,0 +1,155 @@
+"""`eaglegen demo`: the whole pipeline on one machine with nothing but pip-installed parts."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from eaglegen.assets import SAMPLE_DATASET, TOKENIZER_DIR
+from eaglegen.report.status import totals
+from eaglegen.settings import Settings, redact
+from eaglegen.sim import SimConfig, SimServer
+from eaglegen.stack import Child, EmbeddedPostgres, EmbeddedRedis, flower_argv, free_port, spawn
+from models.db import make_engine, upgrade
+from models.repository import Repository
+from producer.commands import run_enqueue
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """Knobs of the demo."""
+
+    concurrency: int = 64
+    max_new_tokens: int = 1024
+    timeout_s: float = 600.0
+
+
+@contextlib.contextmanager
+def services(settings: Settings) -> Iterator[Settings]:
+    """The user's services when configured, embedded ones (stopped afterwards) otherwise."""
+    with contextlib.ExitStack() as stack:
+        updates: dict[str, Any] = {}
+        if settings.database_url is None:
+            postgres = EmbeddedPostgres(settings.data_dir)
+            updates["database_url"] = postgres.start()
+            stack.callback(postgres.stop)
+        if settings.broker_url is None:
+            redis_server = EmbeddedRedis(settings.data_dir)
+            updates["broker_url"] = redis_server.start()
+            stack.callback(redis_server.stop)
+        yield settings.model_copy(update=updates)
+
+
+def _children(settings: Settings, sim_url: str, concurrency: int) -> list[Child]:
+    assert settings.database_url and settings.broker_url
+    env = {
+        "EAGLEGEN_DATABASE_URL": settings.database_url,
+        "EAGLEGEN_BROKER_URL": settings.broker_url,
+        "EAGLEGEN_DATA_DIR": str(settings.data_dir),
+    }
+    logs = settings.data_dir / "logs"
+    worker = spawn(
+        "worker",
+        [
+            sys.executable,
+            "-m",
+            "eaglegen",
+            "worker",
+            "--server",
+            f"sim={sim_url}",
+            "--concurrency",
+            str(concurrency),
+        ],
+        env,
+        logs / "worker.log",
+    )
+    flower = spawn(
+        "flower",
+        flower_argv("127.0.0.1", free_port()),
+        {"CELERY_BROKER_URL": settings.broker_url},
+        logs / "flower.log",
+    )
+    return [worker, flower]
+
+
+def run_demo(settings: Settings, options: DemoOptions) -> dict[str, Any]:
+    """Run the demo end to end and return its summary document."""
+    console = Console(stderr=True)
+    run = "demo-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
+    with services(settings) as live, SimServer(SimConfig(seed=0)) as sim:
+        assert live.database_url is not None
+        upgrade(live.database_url)
+        children = _children(live, sim.url, options.concurrency)
+        engine = make_engine(live.database_url, pool_size=1)
+        try:
+            started = time.monotonic()
+            run_enqueue(
+                live,
+                SAMPLE_DATASET,
+                run=run,
+                dataset="chat",
+                tokenizer=TOKENIZER_DIR,
+                sampling={"max_new_tokens": options.max_new_tokens},
+            )
+            jobs = _wait(Repository(engine), run, options.timeout_s, console, children[0])
+            elapsed = time.monotonic() - started
+            counts = Repository(engine).counts(run)
+        finally:
+            for child in children:
+                child.stop()
+            engine.dispose()
+    return _summary(live, run, counts, jobs, elapsed)
+
+
+def _wait(
+    repo: Repository, run: str, timeout_s: float, console: Console, worker: Child
+) -> dict[str, int]:
+    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    deadline = time.monotonic() + timeout_s
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("jobs", total=None)
+        while True:
+            jobs = totals(repo.counts(run))
+            bar.update(task, total=jobs["total"], completed=jobs["done"] + jobs["failed"])
+            if jobs["queued"] + jobs["running"] == 0:
+                return jobs
+            if worker.process.poll() is not None:
+                console.print("[red]the worker exited; see its log under the data dir[/]")
+                return jobs
+            if time.monotonic() > deadline:
+                console.print(f"[red]timed out after {timeout_s:.0f} s[/]")
+                return jobs
+            time.sleep(0.25)
+
+
+def _summary(
+    settings: Settings, run: str, counts: Any, jobs: dict[str, int], elapsed: float
+) -> dict[str, Any]:
+    prompt = sum(c.prompt_tokens for c in counts)
+    completion = sum(c.completion_tokens for c in counts)
+    rate = completion / elapsed if elapsed > 0 else 0.0
+    database = redact(settings.database_url or "")
+    line = (
+        f"demo: {jobs['done']}/{jobs['total']} jobs done, {jobs['failed']} failed; "
+        f"{prompt:,} prompt + {completion:,} completion tokens in {elapsed:.1f} s "
+        f"({rate:,.0f} tok/s); run {run!r} in {database} (data dir {settings.data_dir})"
+    )
+    return {
+        "run": run,
+        "jobs": jobs,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(rate, 1),
+        "database": database,
+        "data_dir": str(settings.data_dir.resolve()),
+        "summary_line": line,
+    }

@@ -1,0 +1,1 @@
+"""What users look at: status, stats, exports. Everything is read from Postgres."""

@@ -1,0 +1,11 @@
+"""SGLang-compatible simulator: a real HTTP server for the demo, the tests and the benchmarks.
+
+Public API: `SimConfig` (and `FaultConfig`), `create_app(config)`, `serve(config)` (blocking,
+for `eaglegen sim`) and `SimServer(config)`, a context manager running the server on a free
+loopback port in a background thread, exposing `.url`.
+"""
+
+from eaglegen.sim.config import FaultConfig, SimConfig
+from eaglegen.sim.server import SimServer, create_app, serve
+
+__all__ = ["FaultConfig", "SimConfig", "SimServer", "create_app", "serve"]

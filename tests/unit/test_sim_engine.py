@@ -1,0 +1,515 @@
+"""Pure logic of the SGLang simulator: generation, finish rules, prefix cache, KV scheduling."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import pytest
+
+from eaglegen.sim.config import FaultConfig, SimConfig
+from eaglegen.sim.engine import (
+    BLOCK_TOKENS,
+    DEFAULT_MAX_NEW_TOKENS,
+    Completion,
+    Finish,
+    Job,
+    JobState,
+    OutputShape,
+    PrefixCache,
+    Sampling,
+    Scheduler,
+    ThroughputMeter,
+    Vocab,
+    decode_seconds,
+    generate,
+    has_tool_call,
+    prefill_seconds,
+    validate_lengths,
+)
+from eaglegen.sim.metrics import Histogram, Snapshot, parse, render
+from eaglegen.sim.protocol import Limits, RequestError, ids_for_text, parse_generate
+from eaglegen.sim.vocab import load_vocab, longest_free_run
+
+VOCAB = Vocab(
+    think_end=10,
+    im_end=4,
+    tool_section_begin=11,
+    tool_section_end=12,
+    tool_call_begin=13,
+    tool_call_argument_begin=14,
+    tool_call_end=15,
+    vocab_size=4096,
+    ordinary_lo=16,
+    ordinary_hi=4096,
+)
+SHAPE = OutputShape()
+SPECIALS = {4, 10, 11, 12, 13, 14, 15}
+UNLIMITED = Sampling(max_new_tokens=100_000)
+
+
+def prompt(i: int, n: int = 40) -> list[int]:
+    """A distinct prompt of n ordinary tokens."""
+    return [16 + (i * 7919 + k * 31) % 4000 for k in range(n)]
+
+
+def natural(p: list[int], seed: int = 0) -> Completion:
+    """The model's unconstrained answer to p."""
+    return generate(p, Sampling(max_new_tokens=100_000, seed=seed), VOCAB, SHAPE)
+
+
+# --- generation -----------------------------------------------------------------------------
+
+
+def test_generation_is_deterministic_per_prompt_and_seed() -> None:
+    assert natural(prompt(1)) == natural(prompt(1))
+    assert natural(prompt(1)).output_ids != natural(prompt(2)).output_ids
+    assert natural(prompt(1), seed=1).output_ids != natural(prompt(1), seed=2).output_ids
+
+
+def test_natural_output_is_reasoning_think_end_answer_then_stop() -> None:
+    for i in range(50):
+        out = natural(prompt(i))
+        ids = out.output_ids
+        assert out.finish == Finish("stop", matched=VOCAB.im_end)
+        assert ids[-1] == VOCAB.im_end and ids.count(VOCAB.im_end) == 1
+        think = ids.index(VOCAB.think_end)
+        assert think >= 1 and ids.count(VOCAB.think_end) == 1
+        assert all(t not in SPECIALS for t in ids[:think])
+        assert ids[think + 1] not in SPECIALS  # a non-empty answer follows
+        assert all(0 <= t < VOCAB.vocab_size for t in ids)
+
+
+def test_about_one_in_five_outputs_has_a_well_formed_tool_section() -> None:
+    with_tools = 0
+    for i in range(500):
+        p = prompt(i)
+        ids = natural(p).output_ids
+        tool = VOCAB.tool_section_begin in ids
+        assert tool == has_tool_call(p, 0)
+        if tool:
+            with_tools += 1
+            start, end = ids.index(VOCAB.tool_section_begin), ids.index(VOCAB.tool_section_end)
+            assert ids.index(VOCAB.think_end) < start < end == len(ids) - 2
+            assert ids[start + 1] == VOCAB.tool_call_begin and ids[end - 1] == VOCAB.tool_call_end
+            assert VOCAB.tool_call_argument_begin in ids[start:end]
+    assert 70 <= with_tools <= 130
+
+
+def test_lengths_vary_widely_with_a_bounded_long_tail() -> None:
+    lengths = [len(natural(prompt(i)).output_ids) for i in range(1000)]
+    assert 200 <= statistics.mean(lengths) <= 400
+    assert min(lengths) < 60
+    assert max(lengths) > 1200
+    assert max(lengths) <= SHAPE.max_tokens
+
+
+def test_max_new_tokens_cuts_exactly_with_length_finish() -> None:
+    full = natural(prompt(3)).output_ids
+    cut = generate(prompt(3), Sampling(max_new_tokens=7), VOCAB, SHAPE)
+    assert cut.output_ids == full[:7]
+    assert cut.finish.to_json() == {"type": "length", "length": 7}
+
+
+def test_stop_token_landing_on_the_limit_reports_length_like_sglang() -> None:
+    full = natural(prompt(4)).output_ids
+    out = generate(prompt(4), Sampling(max_new_tokens=len(full)), VOCAB, SHAPE)
+    assert out.output_ids == full
+    assert out.finish == Finish("length", length=len(full))
+
+
+def test_zero_max_new_tokens_generates_nothing() -> None:
+    out = generate(prompt(5), Sampling(max_new_tokens=0), VOCAB, SHAPE)
+    assert out.output_ids == [] and out.finish.to_json() == {"type": "length", "length": 0}
+
+
+def test_ignore_eos_runs_past_the_stop_token_to_max_new_tokens() -> None:
+    full = natural(prompt(6)).output_ids
+    out = generate(
+        prompt(6), Sampling(max_new_tokens=len(full) + 50, ignore_eos=True), VOCAB, SHAPE
+    )
+    assert out.output_ids[: len(full)] == full
+    assert len(out.output_ids) == len(full) + 50
+    assert out.finish.type == "length"
+
+
+def test_stop_token_ids_stop_at_the_first_one_generated() -> None:
+    full = natural(prompt(7)).output_ids
+    target = full[5]
+    sampling = Sampling(max_new_tokens=100_000, stop_token_ids=frozenset({target, VOCAB.think_end}))
+    out = generate(prompt(7), sampling, VOCAB, SHAPE)
+    first = min(full.index(target), full.index(VOCAB.think_end))
+    assert out.output_ids == full[: first + 1]
+    assert out.finish.to_json() == {"type": "stop", "matched": full[first]}
+
+
+def test_ignore_eos_also_ignores_stop_token_ids() -> None:
+    sampling = Sampling(
+        max_new_tokens=30, stop_token_ids=frozenset({VOCAB.think_end}), ignore_eos=True
+    )
+    out = generate(prompt(8), sampling, VOCAB, SHAPE)
+    assert len(out.output_ids) == 30 and out.finish.type == "length"
+
+
+def test_finish_reason_shapes_match_sglang() -> None:
+    assert Finish("stop", matched=4).to_json() == {"type": "stop", "matched": 4}
+    assert Finish("length", length=9).to_json() == {"type": "length", "length": 9}
+    abort = Finish("abort", message="gone").to_json()
+    assert abort["type"] == "abort" and abort["message"] == "gone"
+
+
+def test_context_length_messages_are_sglangs() -> None:
+    assert validate_lengths(10, 20, 100) is None
+    too_long = validate_lengths(100, 1, 100)
+    assert too_long == (
+        "The input (100 tokens) is longer than the model's context length (100 tokens)."
+    )
+    total = validate_lengths(60, 40, 100)
+    assert total is not None and total.startswith(
+        "Requested token count exceeds the model's maximum context length of 100 tokens."
+    )
+
+
+def test_timing_formulas() -> None:
+    assert prefill_seconds(5000, 50.0) == pytest.approx(0.1)
+    assert decode_seconds(64, 4.0, 0.15) == pytest.approx(0.0136)
+
+
+# --- prefix cache ---------------------------------------------------------------------------
+
+
+def test_prefix_cache_reports_the_longest_cached_block_prefix() -> None:
+    cache = PrefixCache(capacity_tokens=10_000)
+    a = prompt(1, 100)
+    assert cache.match(cache.block_hashes(a)) == 0
+    cache.insert(cache.block_hashes(a))
+    assert cache.match(cache.block_hashes(a)) == 96  # six full blocks of 16
+    b = a[:40] + prompt(2, 60)  # shares two full blocks with a
+    assert cache.match(cache.block_hashes(b)) == 32
+    cache.clear()
+    assert cache.match(cache.block_hashes(a)) == 0
+
+
+def test_prefix_cache_evicts_least_recently_used_blocks() -> None:
+    cache = PrefixCache(capacity_tokens=4 * BLOCK_TOKENS)
+    a, b = prompt(1, 32), prompt(2, 32)
+    cache.insert(cache.block_hashes(a))
+    cache.insert(cache.block_hashes(b))
+    cache.match(cache.block_hashes(a))  # refresh a
+    cache.insert(cache.block_hashes(prompt(3, 32)))
+    assert cache.match(cache.block_hashes(a)) == 32
+    assert cache.match(cache.block_hashes(b)) == 0
+    assert cache.cached_tokens == 4 * BLOCK_TOKENS
+
+
+# --- scheduler ------------------------------------------------------------------------------
+
+
+def make_job(p: list[int], max_new: int, **kw: Any) -> Job:
+    """A job whose output is the simulator's answer to p, cut at max_new."""
+    completion = generate(p, Sampling(max_new_tokens=max_new, **kw), VOCAB, SHAPE)
+    return Job(p, completion, reserve=len(p) + max_new)
+
+
+def drain(s: Scheduler) -> list[Job]:
+    """Run the scheduler until idle; all finished jobs in order."""
+    finished: list[Job] = []
+    for _ in range(100_000):
+        if not s.has_work():
+            return finished
+        batch = s.admit()
+        if batch is not None:
+            finished += s.finish_prefill(batch)
+        if s.num_decoding:
+            finished += s.decode_step()
+    raise AssertionError("scheduler made no progress")
+
+
+def scheduler(kv: int = 10_000, running: int = 100, prefill: int = 16_384) -> Scheduler:
+    """A scheduler with a fresh cache."""
+    return Scheduler(kv, running, prefill, PrefixCache(kv))
+
+
+def test_each_job_takes_one_decode_step_per_token_after_the_prefill_token() -> None:
+    s = scheduler()
+    job = make_job(prompt(1), 10, ignore_eos=True)
+    s.submit(job)
+    batch = s.admit()
+    assert batch is not None and batch.jobs == (job,) and batch.extend_tokens == 40
+    assert s.finish_prefill(batch) == []
+    steps = 0
+    while not s.decode_step():
+        steps += 1
+    assert steps + 1 == 9  # 1 token from prefill, 9 from decode
+    assert s.used_tokens == 0 and s.reserved_tokens == 0 and s.num_running == 0
+    assert job.state is JobState.DONE
+
+
+def test_admission_reserves_prompt_plus_max_new_tokens_fcfs() -> None:
+    s = scheduler(kv=1000)
+    jobs = [make_job(prompt(i, 100), 300) for i in range(4)]  # 400 KV each
+    for job in jobs:
+        s.submit(job)
+    batch = s.admit()
+    assert batch is not None and batch.jobs == tuple(jobs[:2])
+    assert s.num_running == 2 and s.num_waiting == 2 and s.reserved_tokens == 800
+    assert s.used_tokens == 200  # prompts only, before any token
+    s.finish_prefill(batch)
+    assert s.admit() is None  # still no room for the third
+    finished = drain(s)
+    assert sorted(j.key for j in finished) == sorted(j.key for j in jobs)
+    assert s.used_tokens == s.reserved_tokens == 0
+
+
+def test_kv_usage_counts_prompt_and_generated_tokens() -> None:
+    s = scheduler()
+    job = make_job(prompt(1, 50), 20, ignore_eos=True)
+    s.submit(job)
+    batch = s.admit()
+    assert batch is not None
+    s.finish_prefill(batch)
+    for _ in range(5):
+        s.decode_step()
+    assert s.used_tokens == 50 + 1 + 5
+    assert s.tokens_generated == 6
+
+
+def test_max_running_requests_caps_the_batch() -> None:
+    s = scheduler(running=3)
+    for i in range(5):
+        s.submit(make_job(prompt(i), 5))
+    batch = s.admit()
+    assert batch is not None and len(batch.jobs) == 3 and s.num_waiting == 2
+
+
+def test_prefill_batch_is_bounded_by_max_prefill_tokens_but_admits_one() -> None:
+    s = scheduler(prefill=100)
+    big = make_job(prompt(1, 150), 5)
+    small = make_job(prompt(2, 50), 5)
+    s.submit(big)
+    s.submit(small)
+    first = s.admit()
+    assert first is not None and first.jobs == (big,)
+    second = s.admit()
+    assert second is not None and second.jobs == (small,)
+
+
+def test_repeated_prompt_gets_cached_tokens_and_skips_prefill_work() -> None:
+    s = scheduler()
+    p = prompt(1, 100)
+    s.submit(make_job(p, 5))
+    drain(s)
+    again = make_job(p, 5)
+    s.submit(again)
+    batch = s.admit()
+    assert batch is not None
+    assert again.cached_tokens == 96 and batch.extend_tokens == 4
+    assert s.last_cache_hit_rate == pytest.approx(0.96)
+    s.finish_prefill(batch)
+    drain(s)
+    assert s.totals.cached_tokens == 96 and s.totals.requests == 2
+
+
+def test_a_fully_cached_prompt_still_computes_one_token() -> None:
+    s = scheduler()
+    p = prompt(1, 32)
+    s.submit(make_job(p, 3))
+    drain(s)
+    again = make_job(p, 3)
+    s.submit(again)
+    drain(s)
+    assert again.cached_tokens == 31
+
+
+def test_totals_count_finished_requests_exactly() -> None:
+    s = scheduler(kv=3000)
+    jobs = [make_job(prompt(i), 64) for i in range(40)]
+    for job in jobs:
+        s.submit(job)
+    drain(s)
+    assert s.totals.requests == 40
+    assert s.totals.prompt_tokens == sum(j.prompt_tokens for j in jobs)
+    assert s.totals.generation_tokens == sum(j.output_tokens for j in jobs) == s.tokens_generated
+
+
+def test_abort_frees_kv_wherever_the_job_is() -> None:
+    s = scheduler(kv=1000)
+    running = make_job(prompt(1, 100), 400, ignore_eos=True)
+    waiting = make_job(prompt(2, 100), 400)
+    s.submit(running)
+    s.submit(make_job(prompt(3, 100), 400))
+    s.submit(waiting)
+    batch = s.admit()
+    assert batch is not None
+    s.finish_prefill(batch)
+    s.decode_step()
+    s.abort(waiting)
+    s.abort(running)
+    assert waiting.state is running.state is JobState.ABORTED
+    assert s.num_waiting == 0 and s.num_running == 1 and s.reserved_tokens == 500
+    finished = drain(s)
+    assert len(finished) == 1 and s.used_tokens == 0 and s.reserved_tokens == 0
+
+
+def test_a_job_larger_than_the_pool_is_refused() -> None:
+    with pytest.raises(ValueError):
+        scheduler(kv=100).submit(make_job(prompt(1, 50), 60))
+
+
+def test_throughput_meter_over_a_window() -> None:
+    meter = ThroughputMeter(window_s=2.0)
+    for i in range(11):
+        meter.record(i * 0.5, i * 100)
+    assert meter.rate(5.0) == pytest.approx(200.0, rel=0.2)
+    assert meter.rate(60.0) == 0.0
+
+
+# --- protocol -------------------------------------------------------------------------------
+
+LIMITS = Limits(vocab_size=4096, context_length=1000, kv_tokens=5000, default_seed=7)
+
+
+def test_parse_single_request() -> None:
+    req = parse_generate(
+        {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 50}, "rid": "job-9"}, LIMITS
+    )
+    assert not req.is_batch and len(req.items) == 1
+    item = req.items[0]
+    assert item.rid == "job-9" and item.input_ids == [1, 2, 3]
+    assert item.sampling == Sampling(max_new_tokens=50, seed=7)
+    assert item.reserve == 53
+
+
+def test_parse_defaults_like_sglang() -> None:
+    item = parse_generate({"input_ids": [1, 2]}, LIMITS).items[0]
+    assert item.sampling.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
+    assert len(item.rid) == 32  # uuid hex
+    assert item.text_options.skip_special_tokens is True
+    unlimited = parse_generate(
+        {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": None}}, LIMITS
+    )
+    assert unlimited.items[0].sampling.max_new_tokens == 999 - 2 - 1
+
+
+def test_parse_sampling_seed_and_stop_token_ids() -> None:
+    params = {"sampling_seed": 3, "stop_token_ids": [10], "ignore_eos": False}
+    item = parse_generate({"input_ids": [1], "sampling_params": params}, LIMITS).items[0]
+    assert item.sampling.seed == 3 and item.sampling.stop_token_ids == frozenset({10})
+
+
+def test_parse_batch_with_rid_list_prefix_and_per_item_params() -> None:
+    body: dict[str, Any] = {
+        "input_ids": [[1], [2, 3]],
+        "sampling_params": [{"max_new_tokens": 5}, {"max_new_tokens": 6}],
+        "rid": ["a", "b"],
+    }
+    req = parse_generate(body, LIMITS)
+    assert req.is_batch and [i.rid for i in req.items] == ["a", "b"]
+    assert [i.sampling.max_new_tokens for i in req.items] == [5, 6]
+    body["rid"] = "p"
+    assert [i.rid for i in parse_generate(body, LIMITS).items] == ["p_0", "p_1"]
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment", "validation"),
+    [
+        ({"input_ids": [1], "foo": 1}, "Unknown field", False),
+        ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "Unexpected keyword", False),
+        ({"text": "hi"}, "input_ids only", False),
+        ({"input_ids": []}, "input_ids cannot be empty.", False),
+        ({}, "Either text, input_ids or input_embeds", False),
+        ({"input_ids": [1, "x"]}, "list of integers", True),
+        ({"input_ids": [1, 5000]}, "outside the vocabulary", False),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": "9"}}, "valid integer", True),
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]", False),
+        ({"input_ids": [1], "sampling_params": {"n": 2}}, "parallel sampling", False),
+        ({"input_ids": [1], "stream": True}, "stream", False),
+        ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "Duplicate request IDs", False),
+        ({"input_ids": [[1], [2]], "rid": ["a"]}, "rids length mismatch", False),
+        ({"input_ids": list(range(1000))}, "longer than the model's context length", False),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 999}}, "Requested token", False),
+        ([1, 2], "valid dictionary", True),
+    ],
+)
+def test_parse_rejects_like_sglang(body: object, fragment: str, validation: bool) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_generate(body, LIMITS)
+    assert fragment in info.value.message
+    assert info.value.validation is validation
+    error_body = info.value.body()
+    if validation:
+        assert error_body["object"] == "error" and error_body["code"] == 400
+    else:
+        assert error_body == {"error": {"message": info.value.message}}
+
+
+def test_max_new_tokens_is_clamped_to_the_kv_pool() -> None:
+    small_pool = Limits(vocab_size=4096, context_length=1000, kv_tokens=300, default_seed=0)
+    item = parse_generate(
+        {"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 500}}, small_pool
+    )
+    assert item.items[0].sampling.max_new_tokens == 299 - 100 - 1
+
+
+def test_text_ids_trim_the_matched_stop_token_unless_no_stop_trim() -> None:
+    done = Completion([20, 21, 4], Finish("stop", matched=4))
+    item = parse_generate({"input_ids": [1]}, LIMITS).items[0]
+    assert ids_for_text(done, item.text_options) == [20, 21]
+    keep = parse_generate({"input_ids": [1], "sampling_params": {"no_stop_trim": True}}, LIMITS)
+    assert ids_for_text(done, keep.items[0].text_options) == [20, 21, 4]
+
+
+# --- metrics, config, vocabulary ------------------------------------------------------------
+
+
+def test_metrics_render_with_sglang_names_and_parse_back() -> None:
+    snap = Snapshot(3, 2, 1500, 0.01, 123.5, 0.25, 159_000, 100, 200, 30, 4)
+    hist = Histogram()
+    hist.observe(0.15)
+    hist.observe(3.0)
+    samples = parse(render(snap, hist, "m"))
+    gauge = '{engine_type="unified",model_name="m",tp_rank="0"}'
+    assert samples[f"sglang:num_running_reqs{gauge}"] == 3
+    assert samples[f"sglang:num_queue_reqs{gauge}"] == 2
+    assert samples[f"sglang:token_usage{gauge}"] == 0.01
+    assert samples[f"sglang:gen_throughput{gauge}"] == 123.5
+    assert samples[f"sglang:cache_hit_rate{gauge}"] == 0.25
+    assert samples['sglang:prompt_tokens_total{model_name="m"}'] == 100
+    assert samples['sglang:generation_tokens_total{model_name="m"}'] == 200
+    assert samples['sglang:e2e_request_latency_seconds_bucket{model_name="m",le="0.2"}'] == 1
+    assert samples['sglang:e2e_request_latency_seconds_bucket{model_name="m",le="+Inf"}'] == 2
+    assert samples['sglang:e2e_request_latency_seconds_count{model_name="m"}'] == 2
+
+
+def test_config_validates_and_keeps_faults_off_by_default() -> None:
+    config = SimConfig()
+    assert config.kv_tokens == 159_000 and config.context_length == 32_768 and config.port == 0
+    assert not config.faults.any_enabled()
+    assert config.tokenizer_path == SimConfig(tokenizer_dir=None).tokenizer_path
+    assert FaultConfig(drop_rate=0.1).any_enabled()
+    with pytest.raises(ValueError):
+        SimConfig(kv_tokens=0)
+    with pytest.raises(ValueError):
+        SimConfig(port=70_000)
+
+
+def test_longest_free_run_avoids_reserved_ids() -> None:
+    assert longest_free_run({0, 1, 2, 9}, 20) == (10, 20)
+    assert longest_free_run({15, 16}, 20) == (0, 15)
+    with pytest.raises(ValueError):
+        longest_free_run({0}, 1)
+
+
+def test_load_vocab_from_the_packaged_tokenizer() -> None:
+    from eaglegen import assets
+
+    vocab, tokenizer = load_vocab(assets.TOKENIZER_DIR)
+    ids = assets.special_ids(assets.TOKENIZER_DIR)
+    assert (vocab.think_end, vocab.im_end) == (ids.think_end, ids.im_end)
+    assert vocab.tool_section_begin == ids.tool_calls_section_begin
+    added = set(tokenizer.get_added_tokens_decoder())
+    assert not added & set(range(vocab.ordinary_lo, vocab.ordinary_hi))
+    assert vocab.ordinary_hi - vocab.ordinary_lo > 1000
+    out = generate(prompt(1), UNLIMITED, vocab, SHAPE)
+    text = tokenizer.decode(out.output_ids, skip_special_tokens=False)
+    assert "</think>" in text and text.endswith("<|im_end|>")
