@@ -15,6 +15,9 @@ class RunSpec:
     tokenizer_sha256: str
     chat_template_sha256: str
     model_name: str
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_context_len: int | None = None
+    package_versions: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

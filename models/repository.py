@@ -53,21 +53,30 @@ class Repository:
                     tokenizer_sha256=spec.tokenizer_sha256,
                     chat_template_sha256=spec.chat_template_sha256,
                     model_name=spec.model_name,
+                    chat_template_kwargs=spec.chat_template_kwargs,
+                    max_context_len=spec.max_context_len,
+                    package_versions=spec.package_versions,
                 )
                 .on_conflict_do_nothing(index_elements=[Run.name])
             )
             row = conn.execute(
-                select(Run.id, Run.tokenizer_sha256, Run.chat_template_sha256).where(
-                    Run.name == spec.name
-                )
+                select(
+                    Run.id, Run.tokenizer_sha256, Run.chat_template_sha256, Run.chat_template_kwargs
+                ).where(Run.name == spec.name)
             ).one()
-        if (row.tokenizer_sha256, row.chat_template_sha256) != (
-            spec.tokenizer_sha256,
-            spec.chat_template_sha256,
-        ):
+        differs = [
+            what
+            for what, stored, given in (
+                ("tokenizer", row.tokenizer_sha256, spec.tokenizer_sha256),
+                ("chat template", row.chat_template_sha256, spec.chat_template_sha256),
+                ("chat_template_kwargs", row.chat_template_kwargs, spec.chat_template_kwargs),
+            )
+            if stored != given
+        ]
+        if differs:
             raise RunMismatchError(
-                f"run {spec.name!r} was created with another tokenizer or chat template; "
-                "start a new run (--run NEW_NAME) to use this one"
+                f"run {spec.name!r} was created with another {' and '.join(differs)}; "
+                "a run never mixes two tokenizations: start a new run (--run NEW_NAME)"
             )
         return int(row.id)
 

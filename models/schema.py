@@ -46,6 +46,9 @@ class Run(Base):
     tokenizer_sha256: Mapped[str] = mapped_column(String(64))
     chat_template_sha256: Mapped[str] = mapped_column(String(64))
     model_name: Mapped[str] = mapped_column(Text)
+    chat_template_kwargs: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    max_context_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    package_versions: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
     created_at: Mapped[datetime] = _now()
 
 

@@ -89,12 +89,10 @@ class Templater:
         return digest.hexdigest()
 
     def chat_template_sha256(self) -> str:
-        """Hash of the chat template and the kwargs it is rendered with."""
+        """Hash of the chat template text (all named templates when there are several)."""
         template = self.tokenizer.chat_template
-        text = template if isinstance(template, str) else repr(sorted(template.items()))
-        return hashlib.sha256(
-            (text + repr(sorted(self.template_kwargs.items()))).encode()
-        ).hexdigest()
+        text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 def prompt_sha256(input_ids: Sequence[int]) -> str:
