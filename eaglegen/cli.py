@@ -52,14 +52,27 @@ def db_upgrade(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> No
 
 @app.command()
 def enqueue(
-    file: Annotated[Path, typer.Argument(help='Dataset file (JSONL of {"messages": [...]})')],
-    run: Annotated[str, typer.Option(help="Run name")],
-    dataset: Annotated[str, typer.Option(help="Dataset name inside the run")],
-    tokenizer: Annotated[Path, typer.Option(help="Tokenizer folder (with chat template)")],
+    source: Annotated[Path, typer.Argument(help="A run file (RUN.toml) or one dataset file")],
+    run: Annotated[str | None, typer.Option(help="Run name (without a run file)")] = None,
+    dataset: Annotated[str | None, typer.Option(help="Dataset name (without a run file)")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder")] = None,
+    fmt: Annotated[
+        str | None, typer.Option("--format", help="jsonl, json, parquet or hf (default: detect)")
+    ] = None,
+    max_context_len: Annotated[int | None, typer.Option(min=2, help="Reject longer")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 4096,
     temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.95,
+    budget: Annotated[str | None, typer.Option(help="Token budget: 10M, 500k, unlimited")] = None,
+    budget_basis: Annotated[str, typer.Option(help="completion or total")] = "completion",
+    limit: Annotated[int | None, typer.Option(min=1, help="Take at most N rows")] = None,
+    sample_seed: Annotated[int | None, typer.Option(help="With --limit: seeded sample")] = None,
+    template_kwarg: Annotated[
+        list[str], typer.Option(help="Chat template kwarg NAME=JSON, e.g. thinking=true")
+    ] = [],  # noqa: B006
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow tokenizer code")] = False,
     model: Annotated[str | None, typer.Option(help="Model name recorded on the run")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Read and template only; write nothing")] = False,
     json_out: JsonFlag = False,
     database_url: DatabaseUrl = None,
     broker_url: BrokerUrl = None,
@@ -67,33 +80,48 @@ def enqueue(
 ) -> None:
     """Template every row with the model's chat template and enqueue one job per prompt."""
     from producer.commands import run_enqueue
+    from producer.plan import plan_from_flags, plan_from_run_file
+    from producer.runfile import load_run_file
 
-    if not file.is_file():
-        fail(f"{file}: no such file")
-    if not (tokenizer / "tokenizer_config.json").is_file():
-        fail(f"{tokenizer}: not a tokenizer folder (no tokenizer_config.json)")
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     try:
-        require_services(settings)
-        summary = run_enqueue(
-            settings,
-            file,
-            run=run,
-            dataset=dataset,
-            tokenizer=tokenizer,
-            sampling={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p},
-            model=model,
-        )
-    except ValueError as exc:
+        if source.suffix == ".toml":
+            if run or dataset or tokenizer:
+                raise ValueError(
+                    f"{source}: a run file names the run, datasets and tokenizer; "
+                    "drop --run/--dataset/--tokenizer"
+                )
+            plan = plan_from_run_file(load_run_file(source))
+        else:
+            plan = plan_from_flags(
+                source,
+                run=run,
+                dataset=dataset,
+                tokenizer=tokenizer,
+                fmt=fmt,
+                max_context_len=max_context_len,
+                budget=budget,
+                budget_basis=budget_basis,
+                limit=limit,
+                sample_seed=sample_seed,
+                template_kwargs=template_kwarg,
+                trust_remote_code=trust_remote_code,
+                model=model,
+                sampling={
+                    "max_new_tokens": max_new_tokens,
+                    "temperature": temperature,
+                    "top_p": top_p,
+                },
+            )
+        if not dry_run:
+            require_services(settings)
+        report = run_enqueue(settings, plan, dry_run=dry_run)
+    except (ValueError, OSError) as exc:  # InputError is a ValueError
         fail(str(exc))
     if json_out:
-        emit_json(summary.as_dict())
+        emit_json(report.as_dict())
     else:
-        err.print(
-            f"{file}: {summary.accepted} accepted, {summary.rejected} rejected, "
-            f"{summary.duplicates} duplicates",
-            highlight=False,
-        )
+        Console(stderr=True).print(enqueue_table(report))
 
 
 @app.command()
@@ -267,6 +295,42 @@ def sim(
     except ValueError as exc:
         fail(str(exc))
     serve(config, on_ready=lambda url: err.print(f"simulator listening on {url}"))
+
+
+def enqueue_table(report: Any) -> Any:
+    """The human summary of an enqueue: one row per dataset."""
+    from rich.table import Table
+
+    from models.budget import format_tokens
+
+    title = f"{'dry run of ' if report.dry_run else ''}enqueue into run {report.run!r}"
+    table = Table(title=title)
+    for column in (
+        "dataset",
+        "rows",
+        "accepted",
+        "rejected",
+        "duplicates",
+        "prompt p50/p99/max",
+        "worst case",
+        "budget",
+    ):
+        table.add_column(column, justify="left" if column == "dataset" else "right")
+    for stats in report.datasets:
+        doc = stats.as_dict()
+        pt = doc["prompt_tokens"]
+        reasons = ", ".join(f"{k} {v}" for k, v in doc["rejected_by_reason"].items())
+        table.add_row(
+            stats.dataset,
+            f"{doc['rows']:,}",
+            f"{doc['accepted']:,}",
+            f"{doc['rejected']:,}" + (f" ({reasons})" if reasons else ""),
+            f"{doc['duplicates']:,}",
+            f"{pt['p50']}/{pt['p99']}/{pt['max']}",
+            format_tokens(doc["worst_case_tokens"]),
+            format_tokens(doc["budget_tokens"]),
+        )
+    return table
 
 
 def main() -> None:

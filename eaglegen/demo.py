@@ -21,6 +21,7 @@ from eaglegen.stack import Child, EmbeddedPostgres, EmbeddedRedis, flower_argv, 
 from models.db import make_engine, upgrade
 from models.repository import Repository
 from producer.commands import run_enqueue
+from producer.plan import DatasetPlan, RunPlan
 
 
 @dataclass(frozen=True)
@@ -91,14 +92,16 @@ def run_demo(settings: Settings, options: DemoOptions) -> dict[str, Any]:
         engine = make_engine(live.database_url, pool_size=1)
         try:
             started = time.monotonic()
-            run_enqueue(
-                live,
-                SAMPLE_DATASET,
+            plan = RunPlan(
                 run=run,
-                dataset="chat",
                 tokenizer=TOKENIZER_DIR,
-                sampling={"max_new_tokens": options.max_new_tokens},
+                datasets=[
+                    DatasetPlan(
+                        "chat", SAMPLE_DATASET, sampling={"max_new_tokens": options.max_new_tokens}
+                    )
+                ],
             )
+            run_enqueue(live, plan, quiet=True)
             jobs = _wait(Repository(engine), run, options.timeout_s, console, children[0])
             elapsed = time.monotonic() - started
             counts = Repository(engine).counts(run)

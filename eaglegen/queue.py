@@ -5,9 +5,15 @@ Messages carry ``{"job_id": int}`` only, JSON-serialized: Redis is transport, Po
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import base64
+import json
+import os
+import socket
+import uuid
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import redis
 from celery import Celery
 
 from eaglegen.settings import Settings
@@ -64,3 +70,97 @@ def publish(app: Celery, job_ids: Iterable[int], queue: str, countdown: float | 
             )
             sent += 1
     return sent
+
+
+# Celery's task-message protocol 2 in kombu's Redis envelope, built directly: enqueueing 1M
+# prompts through send_task costs ~120 us a message, this a few. A unit test pins the
+# envelope to what send_task produces, and every integration test consumes these messages.
+_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+_SLOTS = {
+    "id": "\x01id\x01",
+    "kwargsrepr": "\x01kw\x01",
+    "body": "\x01body\x01",
+    "tag": "\x01tag\x01",
+}
+
+
+def _envelope(queue: str, origin: str) -> dict[str, Any]:
+    return {
+        "body": _SLOTS["body"],
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {
+            "lang": "py",
+            "task": TASK_GENERATE,
+            "id": _SLOTS["id"],
+            "shadow": None,
+            "eta": None,
+            "expires": None,
+            "group": None,
+            "group_index": None,
+            "retries": 0,
+            "timelimit": [None, None],
+            "root_id": _SLOTS["id"],
+            "parent_id": None,
+            "argsrepr": "()",
+            "kwargsrepr": _SLOTS["kwargsrepr"],
+            "origin": origin,
+            "ignore_result": None,
+            "replaced_task_nesting": 0,
+            "stamped_headers": None,
+            "stamps": {},
+        },
+        "properties": {
+            "correlation_id": _SLOTS["id"],
+            "reply_to": "",
+            "delivery_mode": 2,
+            "delivery_info": {"exchange": "", "routing_key": queue},
+            "priority": 0,
+            "body_encoding": "base64",
+            "delivery_tag": _SLOTS["tag"],
+        },
+    }
+
+
+class EnvelopeFactory:
+    """Renders the envelope for one job id from a template serialized once."""
+
+    def __init__(self, queue: str, origin: str) -> None:
+        template = json.dumps(_envelope(queue, origin)).replace("%", "%%")
+        for name, slot in _SLOTS.items():
+            template = template.replace(json.dumps(slot), f'"%({name})s"')
+        self._template = template
+
+    def __call__(self, job_id: int) -> str:
+        """The JSON string kombu's Redis transport would LPUSH for ``generate(job_id)``."""
+        job_id = int(job_id)  # never anything but digits inside the template
+        body = b'[[], {"job_id": %d}, ' % job_id + _EMBED_JSON + b"]"
+        task_id = str(uuid.uuid4())
+        return self._template % {
+            "id": task_id,
+            "kwargsrepr": f"{{'job_id': {job_id}}}",
+            "body": base64.b64encode(body).decode(),
+            "tag": str(uuid.uuid4()),
+        }
+
+
+_EMBED_JSON = json.dumps(_EMBED).encode()
+
+
+class BulkPublisher:
+    """Publishes many job ids with one LPUSH per batch (the producer's hot path)."""
+
+    def __init__(self, broker_url: str, queue: str) -> None:
+        self.queue = queue
+        self._envelope = EnvelopeFactory(queue, f"{socket.gethostname()}:{os.getpid()}")
+        self._client = redis.Redis.from_url(broker_url)
+
+    def publish(self, job_ids: Sequence[int]) -> int:
+        """Publish one message per id, in order (workers pop the oldest first)."""
+        if job_ids:
+            self._client.lpush(self.queue, *map(self._envelope, job_ids))
+        return len(job_ids)
+
+    def close(self) -> None:
+        """Release the connection."""
+        self._client.close()

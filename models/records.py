@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
+
+from models.tokens import pack
 
 
 @dataclass(frozen=True)
@@ -33,12 +36,19 @@ class DatasetSpec:
 
 @dataclass(frozen=True)
 class NewJob:
-    """One templated prompt, ready to insert."""
+    """One templated prompt, ready to insert; ``packed`` is its ids as stored."""
 
     row_index: int
-    prompt_sha256: str
     input_ids: list[int]
     messages: Any
+    packed: bytes = field(init=False, repr=False)
+    prompt_sha256: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Computed once here: the hash and the insert both need the packed bytes.
+        packed = pack(self.input_ids)
+        object.__setattr__(self, "packed", packed)
+        object.__setattr__(self, "prompt_sha256", hashlib.sha256(packed).hexdigest())
 
 
 @dataclass(frozen=True)

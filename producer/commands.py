@@ -1,52 +1,64 @@
-"""The enqueue command's wiring: services, templater, progress bar."""
+"""The enqueue command's wiring: plan, services, templater, progress bars."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from eaglegen.queue import make_celery
-from eaglegen.sampling import complete
+from eaglegen.queue import BulkPublisher
 from eaglegen.settings import Settings
 from models.db import make_engine
 from models.repository import Repository
-from producer.enqueue import EnqueueRequest, EnqueueSummary, enqueue
+from producer.enqueue import Progress as ProgressFn
+from producer.enqueue import RunReport, enqueue_run
+from producer.plan import RunPlan
 from producer.template import Templater
 
 
 def run_enqueue(
-    settings: Settings,
-    file: Path,
-    *,
-    run: str,
-    dataset: str,
-    tokenizer: Path,
-    sampling: dict[str, Any],
-    model: str | None = None,
-) -> EnqueueSummary:
-    """Enqueue one dataset file with a progress bar on stderr."""
-    assert settings.database_url is not None
-    templater = Templater(tokenizer)
-    engine = make_engine(settings.database_url, pool_size=2)
-    app = make_celery(settings)
-    params = complete(sampling, templater.stop_token_ids())
-    request = EnqueueRequest(
-        run=run, dataset=dataset, path=file, sampling_params=params, model_name=model
+    settings: Settings, plan: RunPlan, *, dry_run: bool = False, quiet: bool = False
+) -> RunReport:
+    """Enqueue (or dry-run) a plan with a progress line per dataset on stderr."""
+    templater = Templater(
+        plan.tokenizer,
+        trust_remote_code=plan.trust_remote_code,
+        template_kwargs=plan.chat_template_kwargs,
     )
+    if dry_run:
+        return _with_progress(
+            plan,
+            quiet,
+            lambda progress: enqueue_run(
+                plan, templater, repo=None, publisher=None, progress=progress
+            ),
+        )
+    assert settings.database_url is not None and settings.broker_url is not None
+    engine = make_engine(settings.database_url, pool_size=2)
+    publisher = BulkPublisher(settings.broker_url, settings.queue)
     try:
-        with Progress(console=Console(stderr=True), transient=True) as bar:
-            task = bar.add_task(f"enqueue {dataset}", total=None)
-            return enqueue(
-                Repository(engine),
-                app,
-                settings.queue,
-                templater,
-                request,
-                progress=lambda n: bar.advance(task, n),
-            )
+        return _with_progress(
+            plan,
+            quiet,
+            lambda progress: enqueue_run(
+                plan, templater, repo=Repository(engine), publisher=publisher, progress=progress
+            ),
+        )
     finally:
         engine.dispose()
-        app.close()
+        publisher.close()
+
+
+def _with_progress(
+    plan: RunPlan, quiet: bool, work: Callable[[ProgressFn], RunReport]
+) -> RunReport:
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TextColumn("{task.completed:,} rows"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True, disable=quiet) as bar:
+        tasks = {d.name: bar.add_task(f"enqueue {d.name}", total=None) for d in plan.datasets}
+        return work(lambda name, n: bar.advance(tasks[name], n))

@@ -1,14 +1,31 @@
-"""Reading dataset rows and turning them into chat prompts. Pure apart from file reading."""
+"""Dataset rows as read, and their normalisation into chat prompts. Pure: no I/O."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+# ShareGPT speaker names found in the wild (compared lower-cased), mapped to chat roles.
+SHAREGPT_ROLES: dict[str, str] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+    "function_call": "assistant",
+}
 
 
 class RowError(ValueError):
@@ -38,53 +55,228 @@ class RawRow:
     excerpt: str = ""
 
 
-def read_jsonl(path: Path) -> Iterator[RawRow]:
-    """Stream a JSONL file; blank lines are skipped, bad JSON becomes an error row."""
-    with path.open("r", encoding="utf-8") as handle:
-        for index, line in enumerate(handle):
-            if not line.strip():
-                continue
-            try:
-                yield RawRow(index, value=json.loads(line))
-            except json.JSONDecodeError as exc:
-                yield RawRow(
-                    index,
-                    error=RowError("invalid_json", f"line {index + 1}: {exc.msg}"),
-                    excerpt=line[:200],
-                )
+@dataclass(frozen=True)
+class _Turn:
+    """A source message whose role is known; its content is checked only if it is kept."""
+
+    label: str
+    role: str
+    message: dict[str, Any]
+    function_call: bool = False  # a ShareGPT function_call turn: its content is the call
 
 
 def to_prompt(row: Any) -> Prompt:
-    """Validate an OpenAI-style ``{"messages": [...]}`` row; drop trailing assistant turns."""
+    """Normalise an OpenAI, ShareGPT or bare-prompt row; drop trailing assistant turns."""
+    # Fields holding null count as absent: columnar formats fill missing fields with nulls.
     if not isinstance(row, dict):
-        raise RowError("not_an_object", f"row is a {type(row).__name__}")
-    messages = row.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RowError("no_prompt_field", "no non-empty 'messages' list")
-    clean = [_message(i, m) for i, m in enumerate(messages)]
-    while clean and clean[-1]["role"] == "assistant":
-        clean.pop()  # the answer we regenerate
-    if not any(m["role"] == "user" for m in clean):
-        raise RowError("no_user_turn", "no user message")
-    tools = row.get("tools")
-    if tools is not None and not (
-        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
-    ):
-        raise RowError("malformed_tools", "'tools' must be a list of objects")
-    return Prompt(messages=clean, tools=tools or None)
+        raise RowError("not_an_object", f"the row is {_kind(row)}, not an object")
+    field, turns = _turns(row)
+    while turns and turns[-1].role == "assistant":
+        turns.pop()  # the answer we regenerate
+    if not turns:
+        raise RowError("empty_prompt", f"'{field}' has no turn before the final assistant turns")
+    if not any(turn.role == "user" for turn in turns):
+        raise RowError("no_user_turn", f"'{field}' has no user turn")
+    messages = [_checked(turn) for turn in turns]
+    return Prompt(messages=messages, tools=_tools(row.get("tools")))
 
 
-def _message(index: int, message: Any) -> dict[str, Any]:
+def _turns(row: dict[str, Any]) -> tuple[str, list[_Turn]]:
+    """The row's turns with resolved roles, and the name of the field they came from."""
+    if row.get("messages") is not None:
+        field, turns = "messages", _listed(row, "messages", _openai_turn)
+    elif row.get("conversations") is not None:
+        field, turns = "conversations", _listed(row, "conversations", _sharegpt_turn)
+    elif row.get("prompt") is not None:
+        field, turns = "prompt", [_bare_prompt(row["prompt"])]
+    else:
+        keys = ", ".join(sorted(map(str, row))[:10]) or "none"
+        raise RowError("no_prompt_field", f"no 'messages', 'conversations' or 'prompt' ({keys})")
+    return field, _with_system_field(row, turns)
+
+
+def _bare_prompt(prompt: Any) -> _Turn:
+    """A bare ``{"prompt": ...}`` row's user turn."""
+    if not isinstance(prompt, str | list):
+        raise RowError("malformed_message", f"'prompt' is {_kind(prompt)}, not a string")
+    return _Turn("prompt", "user", {"content": prompt})
+
+
+def _listed(row: dict[str, Any], field: str, turn: Callable[[str, Any], _Turn]) -> list[_Turn]:
+    """The turns of a list field, each resolved by ``turn(label, item)``."""
+    items = row[field]
+    if not isinstance(items, list):
+        raise RowError("malformed_message", f"'{field}' is {_kind(items)}, not a list")
+    if not items:
+        raise RowError("empty_prompt", f"'{field}' is an empty list")
+    return [turn(f"{field}[{i}]", item) for i, item in enumerate(items)]
+
+
+def _openai_turn(label: str, message: Any) -> _Turn:
+    """An OpenAI ``{"role", "content", ...}`` message."""
     if not isinstance(message, dict):
-        raise RowError("malformed_message", f"message {index} is not an object")
+        raise RowError("malformed_message", f"{label} is {_kind(message)}, not an object")
     role = message.get("role")
-    if role not in ROLES:
-        raise RowError("unknown_role", f"message {index} has role {role!r}")
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    if content is None and not message.get("tool_calls"):
-        raise RowError("empty_prompt", f"message {index} has no content")
-    out = dict(message)
-    out["content"] = content if content is not None else ""
-    return out
+    if role is None:
+        raise RowError("malformed_message", f"{label} has no 'role'")
+    if not isinstance(role, str) or role not in ROLES:
+        raise RowError("unknown_role", f"{label} has role {role!r}; known: {_names(ROLES)}")
+    return _Turn(label, role, {k: v for k, v in message.items() if v is not None})
+
+
+def _sharegpt_turn(label: str, turn: Any) -> _Turn:
+    """A ShareGPT ``{"from", "value"}`` turn; turns written as OpenAI messages are accepted."""
+    if not isinstance(turn, dict):
+        raise RowError("malformed_message", f"{label} is {_kind(turn)}, not an object")
+    speaker = turn.get("from")
+    if speaker is None:
+        if turn.get("role") is not None:
+            return _openai_turn(label, turn)
+        raise RowError("malformed_message", f"{label} has no 'from'")
+    role = SHAREGPT_ROLES.get(speaker.lower()) if isinstance(speaker, str) else None
+    if role is None:
+        known = _names(SHAREGPT_ROLES)
+        raise RowError("unknown_role", f"{label} has 'from' {speaker!r}; known: {known}")
+    calls = speaker.lower() == "function_call"
+    return _Turn(label, role, {"content": turn.get("value")}, function_call=calls)
+
+
+def _function_call(label: str, value: Any) -> dict[str, Any]:
+    """A ShareGPT function_call value (JSON ``{name, arguments}``) as an OpenAI tool call."""
+    try:
+        call = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        call = None
+    if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
+        detail = f"{label} (function_call) is not a JSON object with 'name' and 'arguments'"
+        raise RowError("malformed_tools", detail)
+    return _tool_call(f"{label}.value", call)
+
+
+def _with_system_field(row: dict[str, Any], turns: list[_Turn]) -> list[_Turn]:
+    """Prepend a top-level ``system`` string (bare prompts, LLaMA-Factory ShareGPT)."""
+    system = row.get("system")
+    # An empty system field is how columnar datasets spell "no system prompt".
+    if system is None or (isinstance(system, str) and not system.strip()):
+        return turns
+    if not isinstance(system, str):
+        raise RowError("malformed_message", f"'system' is {_kind(system)}, not a string")
+    if turns and turns[0].role == "system":
+        raise RowError(
+            "malformed_message", f"both a 'system' field and a system turn in {turns[0].label}"
+        )
+    return [_Turn("system", "system", {"content": system}), *turns]
+
+
+def _checked(turn: _Turn) -> dict[str, Any]:
+    """The message the template receives: text content, well-formed tool calls."""
+    message = {"role": turn.role, **turn.message}
+    if turn.function_call:
+        call = _function_call(turn.label, message["content"])
+        message.update(content="", tool_calls=[call])
+    content = _text(turn.label, message.get("content"))
+    if message.get("tool_calls") is not None:
+        message["tool_calls"] = _tool_calls(turn.label, message["tool_calls"])
+    if turn.role in ("user", "system") and not (content or "").strip():
+        raise RowError("empty_prompt", f"{turn.label} ({turn.role}) has empty content")
+    if content is None:
+        if not message.get("tool_calls"):
+            raise RowError("malformed_message", f"{turn.label} ({turn.role}) has no content")
+        content = ""  # OpenAI allows null beside tool calls; templates expect a string
+    message["content"] = content
+    return message
+
+
+def _text(label: str, content: Any) -> str | None:
+    """Message content as one string; text parts are joined, other parts are refused."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        kind = _kind(content)
+        raise RowError("malformed_message", f"{label}.content is {kind}, not a string or list")
+    return "".join(_text_part(f"{label}.content[{i}]", part) for i, part in enumerate(content))
+
+
+def _text_part(label: str, part: Any) -> str:
+    """The text of one content part."""
+    if not isinstance(part, dict):
+        raise RowError("malformed_message", f"{label} is {_kind(part)}, not an object")
+    kind = part.get("type", "text")
+    if kind != "text":
+        raise RowError("unsupported_content", f"{label} has type {kind!r}; only text is supported")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise RowError("malformed_message", f"{label} has no 'text' string")
+    return text
+
+
+def _tool_calls(label: str, calls: Any) -> list[dict[str, Any]]:
+    """Validated tool calls, each in the OpenAI ``{"type", "function": {...}}`` form."""
+    if not isinstance(calls, list):
+        raise RowError("malformed_tools", f"{label}.tool_calls is {_kind(calls)}, not a list")
+    return [_tool_call(f"{label}.tool_calls[{i}]", call) for i, call in enumerate(calls)]
+
+
+def _tool_call(label: str, call: Any) -> dict[str, Any]:
+    """One tool call; the flat ``{"name", "arguments"}`` form is wrapped as OpenAI's."""
+    if not isinstance(call, dict):
+        raise RowError("malformed_tools", f"{label} is {_kind(call)}, not an object")
+    nested = "function" in call
+    function = call["function"] if nested else call
+    if not isinstance(function, dict) or not _is_name(function.get("name")):
+        raise RowError("malformed_tools", f"{label} has no function name")
+    if not isinstance(function.get("arguments"), str | dict):
+        raise RowError("malformed_tools", f"{label} arguments are not a JSON string or object")
+    if nested:
+        return call
+    rest = {k: v for k, v in call.items() if k not in ("name", "arguments")}
+    wrapped = {"name": call["name"], "arguments": call["arguments"]}
+    return {"type": "function", **rest, "function": wrapped}
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Validated tool definitions, flat ones wrapped as OpenAI function schemas."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)  # columnar datasets often store the list as JSON text
+        except ValueError:
+            raise RowError("malformed_tools", "'tools' is a string but not JSON") from None
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RowError("malformed_tools", f"'tools' is {_kind(tools)}, not a list")
+    return [_tool(f"tools[{i}]", tool) for i, tool in enumerate(tools)] or None
+
+
+def _tool(label: str, tool: Any) -> dict[str, Any]:
+    """One tool definition: ``{"function": {"name", ...}}`` or a flat ``{"name", ...}``."""
+    if not isinstance(tool, dict):
+        raise RowError("malformed_tools", f"{label} is {_kind(tool)}, not an object")
+    function = tool.get("function")
+    if function is not None:
+        if not isinstance(function, dict) or not _is_name(function.get("name")):
+            raise RowError("malformed_tools", f"{label}.function has no 'name'")
+        return tool
+    if not _is_name(tool.get("name")):
+        raise RowError("malformed_tools", f"{label} has neither a 'function' nor a 'name'")
+    return {"type": "function", "function": tool}
+
+
+def _is_name(value: Any) -> bool:
+    """A usable function name: a non-empty string."""
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _names(values: Any) -> str:
+    """Sorted, comma-separated, for error details."""
+    return ", ".join(sorted(values))
+
+
+def _kind(value: Any) -> str:
+    """The JSON kind of a value with its article ("an object", "a number"), for details."""
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "a number"
+    return kinds.get(type(value), f"a {type(value).__name__}")

@@ -44,6 +44,8 @@ class Templater:
         if not self.tokenizer.chat_template:
             raise ValueError(f"{tokenizer_path}: the tokenizer has no chat template")
         self.template_kwargs = dict(template_kwargs or {})
+        # Slow (pure-Python or remote-code) tokenizers have no Rust backend.
+        self._backend: Any = getattr(self.tokenizer, "backend_tokenizer", None)
 
     def render(self, prompt: Prompt) -> str:
         """The prompt text the template produces, ending with the generation prompt."""
@@ -60,10 +62,45 @@ class Templater:
             raise RowError("template_error", f"{type(exc).__name__}: {exc}") from exc
         return str(text)
 
+    def render_many(self, prompts: Sequence[Prompt]) -> list[str | RowError]:
+        """Render prompts; those without tools in one call, as transformers batches them."""
+        out: list[str | RowError] = [""] * len(prompts)
+        plain = [i for i, p in enumerate(prompts) if p.tools is None]
+        try:
+            texts = (
+                self.tokenizer.apply_chat_template(
+                    [prompts[i].messages for i in plain],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **self.template_kwargs,
+                )
+                if plain
+                else []
+            )
+        except Exception:  # one bad row fails the batch: render one by one to find it
+            texts, plain = [], []
+        for i, text in zip(plain, texts, strict=True):
+            out[i] = str(text)
+        for i in sorted(set(range(len(prompts))) - set(plain)):
+            out[i] = self._render_or_error(prompts[i])
+        return out
+
+    def _render_or_error(self, prompt: Prompt) -> str | RowError:
+        try:
+            return self.render(prompt)
+        except RowError as err:
+            return err
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Tokenize rendered prompts with the fast tokenizer, as apply_chat_template does."""
+        """Tokenize rendered prompts exactly as apply_chat_template(tokenize=True) does."""
         if not texts:
             return []
+        if self._backend is not None:
+            # The Rust tokenizer directly: transformers' per-encoding conversion to
+            # Python dicts cost as much as the tokenization.
+            return [
+                e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)
+            ]
         encoded = self.tokenizer(list(texts), add_special_tokens=False)
         return [list(ids) for ids in encoded["input_ids"]]
 
@@ -93,8 +130,3 @@ class Templater:
         template = self.tokenizer.chat_template
         text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
-
-
-def prompt_sha256(input_ids: Sequence[int]) -> str:
-    """Identity of a prompt: the exact ids the model sees."""
-    return hashlib.sha256(",".join(map(str, input_ids)).encode()).hexdigest()

@@ -8,13 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from eaglegen.assets import SAMPLE_DATASET, TOKENIZER_DIR
-from eaglegen.queue import make_celery
-from eaglegen.sampling import complete
 from eaglegen.settings import Settings
-from models.db import make_engine
 from models.repository import Repository
-from producer.enqueue import EnqueueRequest, EnqueueSummary, enqueue
-from producer.template import Templater
+from producer.commands import run_enqueue
+from producer.plan import DatasetPlan, RunPlan
+from producer.stats import DatasetStats
 
 
 def sample_rows(n: int) -> list[dict[str, Any]]:
@@ -37,19 +35,21 @@ def enqueue_file(
     run: str = "run",
     dataset: str = "d",
     max_new_tokens: int = 256,
-) -> EnqueueSummary:
+    **plan: Any,
+) -> DatasetStats:
     """Enqueue ``path`` with the bundled tokenizer, as `eaglegen enqueue` does."""
-    assert settings.database_url is not None
-    templater = Templater(TOKENIZER_DIR)
-    engine = make_engine(settings.database_url, pool_size=2)
-    app = make_celery(settings)
-    try:
-        params = complete({"max_new_tokens": max_new_tokens}, templater.stop_token_ids())
-        request = EnqueueRequest(run=run, dataset=dataset, path=path, sampling_params=params)
-        return enqueue(Repository(engine), app, settings.queue, templater, request)
-    finally:
-        engine.dispose()
-        app.close()
+    report = run_enqueue(
+        settings,
+        RunPlan(
+            run=run,
+            tokenizer=TOKENIZER_DIR,
+            datasets=[DatasetPlan(dataset, path, sampling={"max_new_tokens": max_new_tokens})],
+            **plan,
+        ),
+        quiet=True,
+    )
+    [stats] = report.datasets
+    return stats
 
 
 def wait_settled(repo: Repository, timeout_s: float = 120.0) -> dict[str, int]:

@@ -41,6 +41,20 @@ def service_env(settings: Settings) -> dict[str, str]:
     }
 
 
+def quick_enqueue(path: Path, settings: Settings) -> subprocess.CompletedProcess[str]:
+    return eaglegen(
+        "enqueue",
+        "--run",
+        "r",
+        "--dataset",
+        "d",
+        "--tokenizer",
+        str(TOKENIZER_DIR),
+        str(path),
+        env=service_env(settings),
+    )
+
+
 def test_enqueue_then_status_report_json(settings: Settings, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "chat.jsonl", [*sample_rows(20), "{oops"])
     env = service_env(settings)
@@ -57,36 +71,61 @@ def test_enqueue_then_status_report_json(settings: Settings, tmp_path: Path) -> 
     ]
     first = eaglegen(*args, env=env)
     assert first.returncode == 0, first.stderr
-    assert json.loads(first.stdout) == {
-        "dataset": "chat",
-        "accepted": 20,
-        "rejected": 1,
-        "duplicates": 0,
-        "rejected_by_reason": {"invalid_json": 1},
-    }
+    document = json.loads(first.stdout)
+    assert (document["accepted"], document["rejected"], document["duplicates"]) == (20, 1, 0)
+    chat = document["datasets"]["chat"]
+    assert chat["rejected_by_reason"] == {"invalid_json": 1}
+    assert chat["prompt_tokens"]["max"] >= chat["prompt_tokens"]["p50"] > 0
     again = json.loads(eaglegen(*args, env=env).stdout)
     assert (again["accepted"], again["duplicates"]) == (0, 20)
 
     status = eaglegen("status", "--json", env=env)
     assert status.returncode == 0, status.stderr
-    document: dict[str, Any] = json.loads(status.stdout)
-    assert document["jobs"]["queued"] == 20 and document["jobs"]["total"] == 20
-    assert document["datasets"][0]["run"] == "r1"
+    report: dict[str, Any] = json.loads(status.stdout)
+    assert report["jobs"]["queued"] == 20 and report["jobs"]["total"] == 20
+    assert report["datasets"][0]["run"] == "r1"
+
+
+def test_dry_run_of_a_run_file_needs_no_services(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "chat.jsonl", [*sample_rows(30), {"messages": []}])
+    (tmp_path / "run.toml").write_text(f"""
+run = "plan"
+tokenizer = "{TOKENIZER_DIR}"
+[[datasets]]
+name = "chat"
+path = "chat.jsonl"
+budget_tokens = "50k"
+""")
+    result = eaglegen(
+        "enqueue",
+        str(tmp_path / "run.toml"),
+        "--dry-run",
+        "--json",
+        env={"EAGLEGEN_DATA_DIR": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["dry_run"] is True
+    chat = document["datasets"]["chat"]
+    assert (chat["accepted"], chat["rejected"]) == (30, 1)
+    assert chat["budget_tokens"] == 50_000 and chat["worst_case_tokens"] == 30 * 4096
+
+
+def test_unknown_format_is_a_clear_error_before_anything_is_written(
+    settings: Settings, tmp_path: Path
+) -> None:
+    data = tmp_path / "rows.csv"
+    data.write_text("a,b\n")
+    result = quick_enqueue(data, settings)
+    assert result.returncode == 2
+    assert "rows.csv" in result.stderr.replace("\n", "")
+    status = json.loads(eaglegen("status", "--json", env=service_env(settings)).stdout)
+    assert status["datasets"] == []
 
 
 def test_missing_file_is_a_clear_error(settings: Settings, tmp_path: Path) -> None:
     missing = tmp_path / "nope.jsonl"
-    result = eaglegen(
-        "enqueue",
-        "--run",
-        "r",
-        "--dataset",
-        "d",
-        "--tokenizer",
-        str(TOKENIZER_DIR),
-        str(missing),
-        env=service_env(settings),
-    )
+    result = quick_enqueue(missing, settings)
     assert result.returncode == 2
     assert str(missing) in result.stderr.replace("\n", "") and "no such file" in result.stderr
 

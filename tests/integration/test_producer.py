@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.settings import Settings
+from models.budget import BudgetBasis
 from models.db import make_engine
 from models.repository import Repository
+from producer.commands import run_enqueue
+from producer.plan import DatasetPlan, RunPlan, plan_from_run_file
 from producer.rows import to_prompt
+from producer.runfile import load_run_file
 from tests.helpers import enqueue_file, sample_rows, write_jsonl
 
 
@@ -33,29 +38,37 @@ def queue_length(settings: Settings) -> int:
         client.close()
 
 
+def reference_ids(tokenizer: Any, row: dict[str, Any], **template_kwargs: Any) -> list[int]:
+    """What transformers' apply_chat_template gives for the row: the ground truth."""
+    prompt = to_prompt(row)
+    ids = tokenizer.apply_chat_template(
+        prompt.messages,
+        tools=prompt.tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **template_kwargs,
+    )
+    return list(ids)
+
+
 def test_stored_input_ids_equal_apply_chat_template(
     settings: Settings, repo: Repository, tmp_path: Path
 ) -> None:
     from transformers import AutoTokenizer
 
-    rows = sample_rows(60)
+    rows = sample_rows(300)  # single-turn, system, multi-turn, tools and tool-call history
+    assert any("tools" in r for r in rows) and any(len(r["messages"]) > 3 for r in rows)
     summary = enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", rows))
-    assert (summary.accepted, summary.rejected, summary.duplicates) == (60, 0, 0)
+    assert (summary.accepted, summary.rejected, summary.duplicates) == (300, 0, 0)
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     ids = repo.job_ids()
-    assert len(ids) == 60
+    assert len(ids) == 300
     for job_id in ids:
         job = repo.job(job_id)
         assert job is not None
-        prompt = to_prompt(rows[job["row_index"]])
-        expected = tokenizer.apply_chat_template(
-            prompt.messages,
-            tools=prompt.tools,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        assert job["input_ids"] == list(expected)
+        expected = reference_ids(tokenizer, rows[job["row_index"]])
+        assert job["input_ids"] == expected
         assert job["prompt_tokens"] == len(expected)
 
 
@@ -95,3 +108,124 @@ def test_bad_rows_are_recorded_and_the_run_goes_on(
         "empty_prompt": 1,
     }
     assert repo.rejected_rows() == [(1, "invalid_json"), (2, "not_an_object"), (3, "empty_prompt")]
+
+
+def test_thinking_kwarg_reaches_the_template(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    rows = sample_rows(5)
+    enqueue_file(
+        settings, write_jsonl(tmp_path / "d.jsonl", rows), chat_template_kwargs={"thinking": False}
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    for job_id in repo.job_ids():
+        job = repo.job(job_id)
+        assert job is not None
+        assert job["input_ids"] == reference_ids(tokenizer, rows[job["row_index"]], thinking=False)
+        assert job["input_ids"][-2:] == [think, end_think]
+
+
+def test_prompts_too_long_for_the_context_are_rejected(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    rows = sample_rows(300)
+    stats = enqueue_file(
+        settings, write_jsonl(tmp_path / "d.jsonl", rows), max_new_tokens=20, max_context_len=100
+    )
+    assert stats.rejected_by_reason["too_long"] > 0
+    assert stats.accepted + stats.rejected == 300
+    for job_id in repo.job_ids():
+        job = repo.job(job_id)
+        assert job is not None and job["prompt_tokens"] + 20 <= 100
+    reasons = {reason for _, reason in repo.rejected_rows()}
+    assert reasons == {"too_long"}
+
+
+def test_changing_sampling_params_is_refused(settings: Settings, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", sample_rows(3))
+    enqueue_file(settings, path, max_new_tokens=256)
+    with pytest.raises(ValueError, match="start a new run"):
+        enqueue_file(settings, path, max_new_tokens=512)
+    assert queue_length(settings) == 3
+
+
+def test_another_chat_template_is_refused(settings: Settings, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    other = tmp_path / "tok"
+    shutil.copytree(TOKENIZER_DIR, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("helpful", "terse")
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    path = write_jsonl(tmp_path / "d.jsonl", sample_rows(2))
+    enqueue_file(settings, path)
+    with pytest.raises(ValueError, match="chat template"):
+        run_enqueue(
+            settings,
+            RunPlan(
+                run="run",
+                tokenizer=other,
+                datasets=[DatasetPlan("d", path, sampling={"max_new_tokens": 256})],
+            ),
+            quiet=True,
+        )
+
+
+def test_dry_run_writes_nothing_and_reports_the_numbers(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    rows = [*sample_rows(50), *sample_rows(10), "{bad"]
+    plan = RunPlan(
+        run="dry",
+        tokenizer=TOKENIZER_DIR,
+        datasets=[
+            DatasetPlan(
+                "d",
+                write_jsonl(tmp_path / "d.jsonl", rows),
+                sampling={"max_new_tokens": 100},
+                budget_tokens=1000,
+                budget_basis=BudgetBasis.TOTAL,
+            )
+        ],
+    )
+    report = run_enqueue(settings, plan, dry_run=True, quiet=True)
+    doc = report.as_dict()["datasets"]["d"]
+    assert (doc["rows"], doc["accepted"], doc["duplicates"], doc["rejected"]) == (61, 50, 10, 1)
+    assert doc["rejected_by_reason"] == {"invalid_json": 1}
+    assert 0 < doc["prompt_tokens"]["p50"] <= doc["prompt_tokens"]["p99"]
+    assert doc["prompt_tokens"]["p99"] <= doc["prompt_tokens"]["max"]
+    assert doc["worst_case_tokens"] > 50 * 100  # total basis adds the prompt tokens
+    assert repo.job_ids() == [] and repo.counts() == []
+    assert queue_length(settings) == 0
+
+
+def test_a_run_file_with_two_datasets(settings: Settings, repo: Repository, tmp_path: Path) -> None:
+    rows = sample_rows(40)
+    write_jsonl(tmp_path / "a.jsonl", rows[:20])
+    write_jsonl(tmp_path / "b.jsonl", rows[20:])
+    (tmp_path / "run.toml").write_text(f"""
+run = "two"
+tokenizer = "{TOKENIZER_DIR}"
+[sampling]
+max_new_tokens = 64
+[[datasets]]
+name = "a"
+path = "a.jsonl"
+budget_tokens = "10M"
+[[datasets]]
+name = "b"
+path = "b.jsonl"
+limit = 5
+sample_seed = 3
+""")
+    report = run_enqueue(
+        settings, plan_from_run_file(load_run_file(tmp_path / "run.toml")), quiet=True
+    )
+    assert report.as_dict()["accepted"] == 25
+    counts = {c.dataset: c.total for c in repo.counts("two")}
+    assert counts == {"a": 20, "b": 5}
+    assert queue_length(settings) == 25

@@ -24,7 +24,7 @@ def repo(database_url: str) -> Iterator[Repository]:
 def make_dataset(repo: Repository, n_jobs: int) -> tuple[int, list[int]]:
     run_id = repo.ensure_run(RunSpec("r", "/tok", "a" * 64, "b" * 64, "tiny"))
     dataset_id = repo.ensure_dataset(run_id, DatasetSpec("d", "d.jsonl", {"max_new_tokens": 8}))
-    jobs = [NewJob(i, f"{i:064d}", [1, 2, i], {"messages": []}) for i in range(n_jobs)]
+    jobs = [NewJob(i, [1, 2, i], {"messages": []}) for i in range(n_jobs)]
     return dataset_id, repo.insert_jobs(dataset_id, jobs)
 
 
@@ -109,7 +109,7 @@ def test_fail_keeps_the_last_error(repo: Repository) -> None:
 
 def test_insert_is_idempotent_and_counts_by_state(repo: Repository) -> None:
     dataset_id, ids = make_dataset(repo, 5)
-    again = repo.insert_jobs(dataset_id, [NewJob(0, f"{0:064d}", [1], {})])
+    again = repo.insert_jobs(dataset_id, [NewJob(0, [1, 2, 0], {})])  # same ids as job 0
     assert again == []
     repo.claim(ids[0], "w", lease_seconds=60)
     repo.record(ids[0], "w", generation(4))

@@ -1,0 +1,82 @@
+"""Shared benchmark plumbing: scratch database and Redis db, synthetic prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import psycopg
+import redis
+
+from models.db import upgrade
+
+WORDS = (
+    "a",
+    "about",
+    "algorithms",
+    "and",
+    "at",
+    "autumn",
+    "blue",
+    "causes",
+    "compare",
+    "dusk",
+    "explain",
+    "haiku",
+    "hash",
+    "inflation",
+    "irrational",
+    "is",
+    "list",
+    "looks",
+    "map",
+    "noon",
+    "of",
+    "prove",
+    "red",
+    "root",
+    "sky",
+    "sorting",
+    "square",
+    "summarise",
+    "that",
+    "the",
+    "three",
+    "two",
+    "uses",
+    "why",
+    "write",
+)
+
+
+def scratch_database(admin_url: str, name: str) -> str:
+    """A freshly migrated database ``name`` next to ``admin_url``; its URL."""
+    plain = admin_url.replace("postgresql+psycopg", "postgresql", 1)
+    with psycopg.connect(plain, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    head, sep, query = plain.partition("?")
+    url = f"{head.rsplit('/', 1)[0]}/{name}{sep}{query}"
+    upgrade(url)
+    return url
+
+
+def scratch_redis(base_url: str, db: int) -> str:
+    """Redis database ``db`` next to ``base_url``, emptied; its URL."""
+    url = f"{base_url.rsplit('/', 1)[0]}/{db}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    client.close()
+    return url
+
+
+def write_short_prompts(path: Path, n: int, seed: int = 0) -> Path:
+    """``n`` distinct short single-turn chat prompts as JSONL."""
+    rng = random.Random(seed)
+    with path.open("w") as handle:
+        for i in range(n):
+            words = " ".join(rng.choices(WORDS, k=rng.randint(6, 24)))
+            row = {"messages": [{"role": "user", "content": f"Task {i}: {words}."}]}
+            handle.write(json.dumps(row) + "\n")
+    return path

@@ -1,0 +1,138 @@
+"""What an enqueue will do, from a run file or from flags: one shape for both."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eaglegen.sampling import complete
+from models.budget import BudgetBasis, parse_tokens
+from producer.runfile import RunFile
+
+
+@dataclass(frozen=True)
+class DatasetPlan:
+    """One dataset to enqueue."""
+
+    name: str
+    path: Path
+    fmt: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    budget_tokens: int | None = None
+    budget_basis: BudgetBasis = BudgetBasis.COMPLETION
+    limit: int | None = None
+    sample_seed: int | None = None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run and the datasets to enqueue into it."""
+
+    run: str
+    tokenizer: Path
+    datasets: list[DatasetPlan]
+    model: str | None = None
+    trust_remote_code: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_context_len: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def sampling_params(self, dataset: DatasetPlan, stop_token_ids: list[int]) -> dict[str, Any]:
+        """Every sampling value sent for this dataset: defaults < run < dataset."""
+        return complete({**self.sampling, **dataset.sampling}, stop_token_ids)
+
+
+def plan_from_run_file(run_file: RunFile) -> RunPlan:
+    """The plan a validated run file describes."""
+    return RunPlan(
+        run=run_file.run,
+        tokenizer=run_file.tokenizer,
+        model=run_file.model,
+        trust_remote_code=run_file.trust_remote_code,
+        chat_template_kwargs=dict(run_file.chat_template_kwargs),
+        max_context_len=run_file.max_context_len,
+        sampling=dict(run_file.sampling),
+        datasets=[
+            DatasetPlan(
+                name=d.name,
+                path=d.path,
+                fmt=d.format,
+                sampling=dict(d.sampling),
+                budget_tokens=d.budget_tokens,
+                budget_basis=d.budget_basis,
+                limit=d.limit,
+                sample_seed=d.sample_seed,
+            )
+            for d in run_file.datasets
+        ],
+    )
+
+
+def plan_from_flags(
+    path: Path,
+    *,
+    run: str | None,
+    dataset: str | None,
+    tokenizer: Path | None,
+    sampling: dict[str, Any],
+    fmt: str | None = None,
+    max_context_len: int | None = None,
+    budget: str | None = None,
+    budget_basis: str = "completion",
+    limit: int | None = None,
+    sample_seed: int | None = None,
+    template_kwargs: list[str] | None = None,
+    trust_remote_code: bool = False,
+    model: str | None = None,
+) -> RunPlan:
+    """The quick form: one dataset file and the same knobs as flags."""
+    missing = [
+        flag
+        for flag, value in (("--run", run), ("--dataset", dataset), ("--tokenizer", tokenizer))
+        if value is None
+    ]
+    if missing:
+        raise ValueError(f"{path}: without a run file, pass {', '.join(missing)}")
+    assert run is not None and dataset is not None and tokenizer is not None
+    try:
+        basis = BudgetBasis(budget_basis)
+    except ValueError:
+        raise ValueError(
+            f"--budget-basis must be completion or total, not {budget_basis!r}"
+        ) from None
+    return RunPlan(
+        run=run,
+        tokenizer=tokenizer,
+        model=model,
+        trust_remote_code=trust_remote_code,
+        chat_template_kwargs=parse_template_kwargs(template_kwargs or []),
+        max_context_len=max_context_len,
+        datasets=[
+            DatasetPlan(
+                name=dataset,
+                path=path,
+                fmt=fmt,
+                sampling=sampling,
+                budget_tokens=parse_tokens(budget),
+                budget_basis=basis,
+                limit=limit,
+                sample_seed=sample_seed,
+            )
+        ],
+    )
+
+
+def parse_template_kwargs(items: list[str]) -> dict[str, Any]:
+    """``thinking=true`` flags as a dict; values are JSON, or plain strings."""
+    kwargs: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--template-kwarg takes NAME=VALUE, got {item!r}")
+        try:
+            kwargs[name] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[name] = value
+    return kwargs

@@ -1,0 +1,373 @@
+"""Streaming dataset readers: JSONL and JSON (optionally gzipped), Parquet, saved HF datasets."""
+
+# Memory stays flat with the dataset's size. pyarrow and datasets are slow to import and not
+# needed for JSON, so they are imported only when a Parquet file or an HF folder is read.
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import io
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from producer.rows import RawRow, RowError
+
+FORMATS = ("jsonl", "json", "parquet", "hf")
+SUPPORTED = (
+    "jsonl (.jsonl, .jsonl.gz), json (.json, .json.gz: an array of rows or an object with one"
+    " list field), parquet (.parquet), hf (a folder written by datasets' save_to_disk)"
+)
+_SUFFIXES = {
+    ".jsonl": "jsonl",
+    ".jsonl.gz": "jsonl",
+    ".ndjson": "jsonl",
+    ".ndjson.gz": "jsonl",
+    ".json": "json",
+    ".json.gz": "json",
+    ".parquet": "parquet",
+}
+_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_GZIP_MAGIC = b"\x1f\x8b"
+# Fields that make a JSON object one row rather than a container of rows.
+_ROW_FIELDS = frozenset({"messages", "conversations"})
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+BATCH_ROWS = 1024
+CHUNK_CHARS = 1 << 20
+# A first line longer than this is not taken for a JSON Lines row when sniffing a .json file.
+SNIFF_BYTES = 1 << 20
+# A single JSON value this long means a corrupt file; bounds what a bad file can buffer.
+MAX_VALUE_CHARS = 64 << 20
+EXCERPT_CHARS = 200
+
+
+class InputError(ValueError):
+    """A dataset that cannot be read at all; raised before any of its rows is yielded."""
+
+
+def iter_rows(path: Path, fmt: str | None = None) -> Iterator[RawRow]:
+    """Stream the rows of ``path`` with stable 0-based indexes; unreadable input: InputError."""
+    # Raised at this call for a missing, unreadable or unknown input; a JSON document that
+    # breaks off mid-array cannot be resynchronised, so it raises where it breaks.
+    return _READERS[detect_format(path, fmt)](path)
+
+
+def detect_format(path: Path, fmt: str | None = None) -> str:
+    """The format ``path`` is read as: the hint if given, else its name or folder contents."""
+    if fmt is not None and fmt not in FORMATS:
+        raise InputError(f"{path}: unknown format {fmt!r}; supported formats: {SUPPORTED}")
+    if path.is_dir():
+        return _folder_format(path, fmt)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder")
+    _probe(path)
+    found = fmt or _suffix_format(path)
+    if found == "hf":
+        raise InputError(f"{path}: format 'hf' needs a folder written by save_to_disk")
+    # .json files holding JSON Lines are common; reading them as one document would fail.
+    return "jsonl" if found == "json" and _holds_json_lines(path) else found
+
+
+def _folder_format(path: Path, fmt: str | None) -> str:
+    """A folder is a saved Hugging Face dataset or nothing we read."""
+    if fmt not in (None, "hf"):
+        raise InputError(f"{path}: is a folder; format {fmt!r} needs a file")
+    if not any((path / marker).is_file() for marker in _HF_MARKERS):
+        markers = ", ".join(_HF_MARKERS)
+        raise InputError(
+            f"{path}: is a folder but not a Hugging Face dataset saved with save_to_disk"
+            f" (none of {markers}); supported formats: {SUPPORTED}"
+        )
+    return "hf"
+
+
+def _suffix_format(path: Path) -> str:
+    """The format a file's name implies."""
+    name = path.name.lower()
+    for suffix, fmt in _SUFFIXES.items():
+        if name.endswith(suffix):
+            return fmt
+    raise InputError(
+        f"{path}: cannot tell the format from the file name; supported formats: {SUPPORTED}"
+    )
+
+
+def _probe(path: Path) -> None:
+    """Fail now, not mid-stream, if the file (or its gzip stream) cannot be read."""
+    try:
+        with _open_binary(path) as handle:
+            handle.read(1)
+    except (OSError, EOFError) as exc:
+        raise InputError(f"{path}: cannot read: {exc}") from exc
+
+
+def _open_binary(path: Path) -> gzip.GzipFile | io.BufferedReader:
+    """The file's bytes, decompressed when it is gzip (recognised by content, not name)."""
+    with path.open("rb") as handle:
+        magic = handle.read(2)
+    return gzip.open(path, "rb") if magic == _GZIP_MAGIC else path.open("rb")
+
+
+def _holds_json_lines(path: Path) -> bool:
+    """Whether the first line is a whole JSON value with more values after it."""
+    with _open_binary(path) as handle:
+        first = _next_nonblank_line(handle)
+        if first is None or not first.endswith(b"\n"):
+            return False
+        try:
+            json.loads(first)
+        except ValueError:
+            return False
+        return _next_nonblank_line(handle) is not None
+
+
+def _next_nonblank_line(handle: io.BufferedIOBase) -> bytes | None:
+    """The next line with content (cut at SNIFF_BYTES), or None at the end."""
+    while line := handle.readline(SNIFF_BYTES):
+        if line.strip():
+            return line
+    return None
+
+
+def _read_jsonl(path: Path) -> Iterator[RawRow]:
+    """One row per non-blank line; the index is the line number minus one."""
+    with _open_binary(path) as handle:
+        for index, line in enumerate(handle):
+            if line.strip():
+                yield _jsonl_row(index, line)
+
+
+def _jsonl_row(index: int, line: bytes) -> RawRow:
+    """A parsed line, or an ``invalid_json`` row carrying the line as its excerpt."""
+    try:
+        return RawRow(index, json.loads(line))
+    except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError for non-UTF-8 bytes
+        why = f"{exc.msg} (column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else exc
+        error = RowError("invalid_json", f"line {index + 1}: {why}")
+        return RawRow(index, error=error, excerpt=line.decode("utf-8", "replace")[:EXCERPT_CHARS])
+
+
+class _JsonStream:
+    """One JSON document decoded value by value from chunks, so rows stream."""
+
+    def __init__(self, handle: io.TextIOBase, path: Path) -> None:
+        self.handle = handle
+        self.path = path
+        self.buffer = ""
+        self.pos = 0
+        self.lines_dropped = 0  # newlines in text already dropped from the buffer
+        self.decoder = json.JSONDecoder()
+
+    def peek(self) -> str:
+        """The next non-whitespace character, or "" at the end of the document."""
+        while True:
+            match = _WHITESPACE.match(self.buffer, self.pos)
+            self.pos = match.end() if match else self.pos
+            if self.pos < len(self.buffer) or not self._fill():
+                return self.buffer[self.pos : self.pos + 1]
+
+    def take(self, expected: str) -> str:
+        """Consume the next character, which must be one of ``expected``."""
+        char = self.peek()
+        if not char or char not in expected:
+            wanted = " or ".join(repr(c) for c in expected)
+            raise self.error(f"expected {wanted}, found {char or 'the end'!r}")
+        self.pos += 1
+        return char
+
+    def value(self) -> Any:
+        """Decode the next whole value, reading on while it is cut by the buffer's end."""
+        self.peek()
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.buffer, self.pos)
+            except json.JSONDecodeError as exc:
+                if not self._fill():
+                    raise self.error(exc.msg, exc.pos) from exc
+                continue
+            # A number (or true/false/null) ending at the buffer's end may go on in the file.
+            if end < len(self.buffer) or not self._fill():
+                self.pos = end
+                return value
+
+    def error(self, message: str, pos: int | None = None) -> InputError:
+        """An InputError naming the line where the document breaks."""
+        line = self.lines_dropped + self.buffer.count("\n", 0, self.pos if pos is None else pos) + 1
+        return InputError(f"{self.path}: invalid JSON at line {line}: {message}")
+
+    def _fill(self) -> bool:
+        """Append the next chunk, dropping decoded text; False at the end of the file."""
+        pending = len(self.buffer) - self.pos
+        if pending > MAX_VALUE_CHARS:
+            raise self.error(f"a value longer than {MAX_VALUE_CHARS} characters")
+        try:
+            # Reading as much as is pending keeps re-decoding one long value linear.
+            chunk = self.handle.read(max(CHUNK_CHARS, pending))
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{self.path}: not UTF-8 text: {exc}") from exc
+        if not chunk:
+            return False
+        self.lines_dropped += self.buffer.count("\n", 0, self.pos)
+        self.buffer = self.buffer[self.pos :] + chunk
+        self.pos = 0
+        return True
+
+
+def _read_json(path: Path) -> Iterator[RawRow]:
+    """A JSON array of rows, or an object whose one list field holds the rows."""
+    with io.TextIOWrapper(_open_binary(path), encoding="utf-8-sig") as handle:
+        stream = _JsonStream(handle, path)
+        first = stream.peek()
+        if first == "[":
+            yield from _array_rows(stream)
+        elif first == "{":
+            yield from _object_rows(stream)
+        else:
+            raise InputError(
+                f"{path}: expected a JSON array of rows or an object with a list field,"
+                f" found {first or 'nothing'!r}"
+            )
+        if stream.peek():
+            raise stream.error("extra data after the top-level value")
+
+
+def _array_rows(stream: _JsonStream) -> Iterator[RawRow]:
+    """The elements of the array at the stream's position."""
+    stream.take("[")
+    if stream.peek() == "]":
+        stream.take("]")
+        return
+    index = 0
+    while True:
+        yield RawRow(index, stream.value())
+        index += 1
+        if stream.take(",]") == "]":
+            return
+
+
+def _object_rows(stream: _JsonStream) -> Iterator[RawRow]:
+    """The rows of an object's only list field; other fields (metadata) are skipped."""
+    listed: str | None = None
+    fields: list[str] = []
+    for name in _object_fields(stream):
+        fields.append(name)
+        if stream.peek() != "[":
+            stream.value()
+        elif name in _ROW_FIELDS:
+            raise InputError(
+                f"{stream.path}: the object has a {name!r} field, so it is one row;"
+                " put rows in a JSON array or use JSON Lines"
+            )
+        elif listed is not None:
+            raise InputError(
+                f"{stream.path}: fields {listed!r} and {name!r} both hold lists;"
+                " keep one list of rows per file"
+            )
+        else:
+            listed = name
+            yield from _array_rows(stream)
+    if listed is None:
+        shown = ", ".join(fields[:10]) or "none"
+        raise InputError(f"{stream.path}: the JSON object has no list of rows (fields: {shown})")
+
+
+def _object_fields(stream: _JsonStream) -> Iterator[str]:
+    """Each field name of the object; the caller consumes the value before the next one."""
+    stream.take("{")
+    if stream.peek() == "}":
+        stream.take("}")
+        return
+    while True:
+        name = stream.value() if stream.peek() == '"' else None
+        if not isinstance(name, str):
+            raise stream.error("expected a field name")
+        stream.take(":")
+        yield name
+        if stream.take(",}") == "}":
+            return
+
+
+def _read_parquet(path: Path) -> Iterator[RawRow]:
+    """Rows of a Parquet file, record batch by record batch."""
+    parquet = _import("pyarrow.parquet", "parquet", "pyarrow")
+    try:
+        parquet.read_metadata(path)  # the footer: fails now on a file that is not Parquet
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise InputError(f"{path}: not a readable Parquet file: {exc}") from exc
+    return _parquet_rows(parquet, path)
+
+
+def _parquet_rows(parquet: ModuleType, path: Path) -> Iterator[RawRow]:
+    """The rows, reading one batch at a time."""
+    with parquet.ParquetFile(path) as file:
+        yield from _columnar_rows(file.iter_batches(batch_size=BATCH_ROWS))
+
+
+def _read_hf(path: Path) -> Iterator[RawRow]:
+    """Rows of a dataset saved with ``save_to_disk`` (memory-mapped, read batch by batch)."""
+    folder = _hf_split(path)
+    datasets = _import("datasets", "hf", "datasets")
+    try:
+        dataset = datasets.load_from_disk(str(folder))
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{folder}: cannot load the saved dataset: {exc}") from exc
+    # The arrow format ignores a format saved with the dataset (numpy, torch, column subsets).
+    return _columnar_rows(dataset.with_format("arrow").iter(batch_size=BATCH_ROWS))
+
+
+def _hf_split(path: Path) -> Path:
+    """The folder of the split to read: the dataset itself, "train", or the only split."""
+    manifest = path / "dataset_dict.json"
+    if not manifest.is_file():
+        return path
+    try:
+        splits = [str(s) for s in json.loads(manifest.read_text(encoding="utf-8"))["splits"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{manifest}: unreadable DatasetDict manifest: {exc}") from exc
+    if "train" in splits or len(splits) == 1:
+        return path / ("train" if "train" in splits else splits[0])
+    shown = ", ".join(splits) or "none"
+    raise InputError(
+        f"{path}: a DatasetDict with splits {shown} and no 'train';"
+        f" pass one split's folder instead, e.g. {path / (splits[0] if splits else 'train')}"
+    )
+
+
+def _columnar_rows(batches: Iterable[Any]) -> Iterator[RawRow]:
+    """Rows of arrow batches (RecordBatch or Table) as plain Python objects."""
+    index = 0
+    for batch in batches:
+        for row in batch.to_pylist():
+            yield RawRow(index, _drop_nulls(row))
+            index += 1
+
+
+def _drop_nulls(value: Any) -> Any:
+    """``value`` without null object fields, recursively."""
+    # Arrow gives every struct all fields seen in the column, so a field one row lacks comes
+    # back as null; dropping nulls restores the row as written (an explicit null is lost).
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def _import(module: str, fmt: str, package: str) -> ModuleType:
+    """Import a heavy, untyped dependency when its format is first read."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise InputError(f"reading {fmt} needs the {package!r} package: {exc}") from exc
+
+
+_READERS: dict[str, Callable[[Path], Iterator[RawRow]]] = {
+    "jsonl": _read_jsonl,
+    "json": _read_json,
+    "parquet": _read_parquet,
+    "hf": _read_hf,
+}

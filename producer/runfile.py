@@ -1,0 +1,97 @@
+"""The TOML run file: one run, its tokenizer and sampling, and its datasets."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from models.budget import BudgetBasis, parse_tokens
+
+FORMATS = ("jsonl", "json", "parquet", "hf")
+
+
+class DatasetEntry(BaseModel):
+    """One ``[[datasets]]`` table."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    path: Path
+    format: str | None = None
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    budget_tokens: int | None = None
+    budget_basis: BudgetBasis = BudgetBasis.COMPLETION
+    limit: int | None = Field(default=None, ge=1)
+    sample_seed: int | None = None
+
+    @field_validator("budget_tokens", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> int | None:
+        return parse_tokens(value)
+
+    @field_validator("format")
+    @classmethod
+    def _format(cls, value: str | None) -> str | None:
+        if value is not None and value not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}")
+        return value
+
+
+class RunFile(BaseModel):
+    """The whole run file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: str = Field(min_length=1, max_length=200)
+    tokenizer: Path
+    model: str | None = None
+    trust_remote_code: bool = False
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    max_context_len: int | None = Field(default=None, ge=2)
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    datasets: list[DatasetEntry] = Field(min_length=1)
+
+    @field_validator("datasets")
+    @classmethod
+    def _unique_names(cls, value: list[DatasetEntry]) -> list[DatasetEntry]:
+        names = [d.name for d in value]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"dataset names must be unique, repeated: {duplicated}")
+        return value
+
+
+def load_run_file(path: Path) -> RunFile:
+    """Parse and validate ``path``; relative paths are taken from the file's folder."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such run file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: invalid TOML: {exc}") from None
+    try:
+        run_file = RunFile.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(f"{path}: {_describe(exc)}") from None
+    return _resolve_paths(run_file, path.parent)
+
+
+def _describe(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+    )
+
+
+def _resolve_paths(run_file: RunFile, base: Path) -> RunFile:
+    def resolve(p: Path) -> Path:
+        return p if p.is_absolute() else (base / p)
+
+    datasets = [d.model_copy(update={"path": resolve(d.path)}) for d in run_file.datasets]
+    return run_file.model_copy(
+        update={"tokenizer": resolve(run_file.tokenizer), "datasets": datasets}
+    )

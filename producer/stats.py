@@ -1,0 +1,74 @@
+"""Per-dataset counters and prompt-length percentiles. Pure, no I/O."""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.budget import BudgetBasis
+
+
+def percentiles(values: Sequence[int], points: Sequence[int] = (50, 90, 99)) -> dict[str, int]:
+    """Nearest-rank percentiles plus max (all 0 for no values)."""
+    if not values:
+        return {**{f"p{p}": 0 for p in points}, "max": 0}
+    ordered = sorted(values)
+    out = {f"p{p}": ordered[max(math.ceil(p / 100 * len(ordered)) - 1, 0)] for p in points}
+    out["max"] = ordered[-1]
+    return out
+
+
+@dataclass
+class DatasetStats:
+    """What enqueueing (or a dry run of) one dataset found."""
+
+    dataset: str
+    max_new_tokens: int
+    budget_tokens: int | None
+    budget_basis: BudgetBasis
+    rows: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+    rejected_by_reason: Counter[str] = field(default_factory=Counter)
+    prompt_lengths: array[int] = field(default_factory=lambda: array("I"))
+    accepted_prompt_tokens: int = 0
+
+    @property
+    def rejected(self) -> int:
+        """Rows that did not become jobs because they are bad."""
+        return sum(self.rejected_by_reason.values())
+
+    def worst_case_tokens(self) -> int:
+        """Tokens the accepted jobs may consume at most, on the budget's basis."""
+        generated = self.max_new_tokens * self.accepted
+        if self.budget_basis is BudgetBasis.TOTAL:
+            return generated + self.accepted_prompt_tokens
+        return generated
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``--json`` shape of one dataset."""
+        return {
+            "rows": self.rows,
+            "accepted": self.accepted,
+            "rejected": self.rejected,
+            "duplicates": self.duplicates,
+            "rejected_by_reason": dict(sorted(self.rejected_by_reason.items())),
+            "prompt_tokens": percentiles(self.prompt_lengths),
+            "worst_case_tokens": self.worst_case_tokens(),
+            "budget_tokens": self.budget_tokens,
+            "budget_basis": self.budget_basis.value,
+        }
+
+
+def totals(stats: Sequence[DatasetStats]) -> dict[str, int]:
+    """Sums over datasets of the row counters."""
+    return {
+        "rows": sum(s.rows for s in stats),
+        "accepted": sum(s.accepted for s in stats),
+        "rejected": sum(s.rejected for s in stats),
+        "duplicates": sum(s.duplicates for s in stats),
+    }

@@ -1,0 +1,128 @@
+"""The TOML run file and the quick-form flags produce the same plans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from models.budget import BudgetBasis
+from producer.plan import parse_template_kwargs, plan_from_flags, plan_from_run_file
+from producer.runfile import load_run_file
+
+RUN_FILE = """
+run = "kimi-k25"
+model = "moonshotai/Kimi-K2.5"
+tokenizer = "tok"
+trust_remote_code = true
+max_context_len = 32768
+
+[chat_template_kwargs]
+thinking = true
+
+[sampling]
+max_new_tokens = 16384
+temperature = 1.0
+
+[[datasets]]
+name = "chat"
+path = "data/chat.jsonl"
+budget_tokens = "10M"
+
+[[datasets]]
+name = "tools"
+path = "/abs/tools.parquet"
+format = "parquet"
+budget_tokens = "500k"
+budget_basis = "total"
+limit = 100
+sample_seed = 7
+[datasets.sampling]
+max_new_tokens = 4096
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_run_file_is_parsed_with_paths_relative_to_it(tmp_path: Path) -> None:
+    plan = plan_from_run_file(load_run_file(write(tmp_path, RUN_FILE)))
+    assert plan.run == "kimi-k25"
+    assert plan.tokenizer == tmp_path / "tok"
+    assert plan.chat_template_kwargs == {"thinking": True}
+    chat, tools = plan.datasets
+    assert chat.path == tmp_path / "data/chat.jsonl"
+    assert (chat.budget_tokens, chat.budget_basis) == (10_000_000, BudgetBasis.COMPLETION)
+    assert tools.path == Path("/abs/tools.parquet")
+    assert (tools.budget_tokens, tools.budget_basis) == (500_000, BudgetBasis.TOTAL)
+    assert (tools.limit, tools.sample_seed, tools.fmt) == (100, 7, "parquet")
+
+
+def test_sampling_precedence_is_defaults_then_run_then_dataset(tmp_path: Path) -> None:
+    plan = plan_from_run_file(load_run_file(write(tmp_path, RUN_FILE)))
+    chat, tools = plan.datasets
+    assert plan.sampling_params(chat, [4])["max_new_tokens"] == 16384
+    params = plan.sampling_params(tools, [4])
+    assert params["max_new_tokens"] == 4096
+    assert params["temperature"] == 1.0 and params["stop_token_ids"] == [4]
+    assert params["top_k"] == -1  # a default, sent explicitly
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("run = ", "invalid TOML"),
+        ('run = "r"\ntokenizer = "t"\ndatasets = []', "datasets"),
+        ('run = "r"\ntokenizer = "t"\ncolour = 1\n[[datasets]]\nname="a"\npath="x"', "colour"),
+        (
+            'run = "r"\ntokenizer = "t"\n[[datasets]]\nname="a"\npath="x"\nbudget_tokens="lots"',
+            "datasets.0.budget_tokens",
+        ),
+        ('run = "r"\ntokenizer = "t"\n[[datasets]]\nname="a"\npath="x"\nformat="csv"', "format"),
+        (
+            'run = "r"\ntokenizer = "t"\n[[datasets]]\nname="a"\npath="x"\n'
+            '[[datasets]]\nname="a"\npath="y"',
+            "unique",
+        ),
+    ],
+)
+def test_bad_run_files_name_the_file_and_the_field(tmp_path: Path, text: str, needle: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as info:
+        load_run_file(path)
+    assert str(path) in str(info.value)
+    assert needle in str(info.value)
+
+
+def test_missing_run_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such run file"):
+        load_run_file(tmp_path / "nope.toml")
+
+
+def test_flags_make_a_one_dataset_plan(tmp_path: Path) -> None:
+    plan = plan_from_flags(
+        tmp_path / "d.jsonl",
+        run="r",
+        dataset="d",
+        tokenizer=tmp_path,
+        budget="2M",
+        budget_basis="total",
+        sampling={"max_new_tokens": 10},
+        template_kwargs=["thinking=false", "mode=fast"],
+    )
+    [d] = plan.datasets
+    assert (d.budget_tokens, d.budget_basis) == (2_000_000, BudgetBasis.TOTAL)
+    assert plan.chat_template_kwargs == {"thinking": False, "mode": "fast"}
+
+
+def test_flags_without_run_say_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--run, --tokenizer"):
+        plan_from_flags(tmp_path / "d.jsonl", run=None, dataset="d", tokenizer=None, sampling={})
+
+
+def test_template_kwargs_need_a_name() -> None:
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_template_kwargs(["=1"])
