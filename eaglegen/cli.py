@@ -19,6 +19,8 @@ app = typer.Typer(
 )
 db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
 app.add_typer(db_app, name="db")
+budget_app = typer.Typer(no_args_is_help=True, help="Per-dataset token budgets, live.")
+app.add_typer(budget_app, name="budget")
 err = Console(stderr=True)
 
 DatabaseUrl = Annotated[str | None, typer.Option(help="Postgres URL [env: EAGLEGEN_DATABASE_URL]")]
@@ -124,19 +126,26 @@ def enqueue(
         Console(stderr=True).print(enqueue_table(report))
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": False})
 def worker(
     server: Annotated[list[str], typer.Option(help="SGLang server URL or NAME=URL (repeat)")] = [],  # noqa: B006
     concurrency: Annotated[
         int | None, typer.Option(min=1, help="Threads (in-flight requests)")
     ] = None,
-    hostname: Annotated[str | None, typer.Option(help="Celery node name")] = None,
+    numa_node: Annotated[
+        str | None, typer.Option(help="Pin to NUMA node N, a list 0,1, or auto (one per node)")
+    ] = None,
+    check: Annotated[
+        bool, typer.Option("--check", help="Exit 0 if this host's workers are alive, else 1")
+    ] = False,
     database_url: DatabaseUrl = None,
     broker_url: BrokerUrl = None,
     data_dir: DataDir = None,
 ) -> None:
     """Run a Celery worker (threads pool) that generates queued jobs."""
-    from worker.app import start
+    import socket
+
+    from worker.commands import alive_workers, run_worker
 
     settings = load_settings(
         database_url=database_url,
@@ -149,9 +158,23 @@ def worker(
         require_services(settings)
     except ValueError as exc:
         fail(str(exc))
+    assert settings.broker_url is not None
+    if check:
+        alive = alive_workers(
+            settings.broker_url, socket.gethostname(), 3 * settings.heartbeat_interval_s
+        )
+        err.print(f"{len(alive)} live worker process(es) on {socket.gethostname()}")
+        raise typer.Exit(0 if alive else 1)
     if not settings.servers:
         fail("no SGLang servers: pass --server URL or set EAGLEGEN_SERVERS")
-    start(settings, hostname=hostname)
+    passthrough = [f"--server={s}" for s in server]
+    if concurrency is not None:
+        passthrough.append(f"--concurrency={concurrency}")
+    try:
+        code = run_worker(settings, numa_node, passthrough)
+    except ValueError as exc:
+        fail(str(exc))
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -274,27 +297,205 @@ def sim(
     decode_ms_per_request: Annotated[float, typer.Option(help="Added per running request")] = 0.15,
     prefill_tokens_per_ms: Annotated[float, typer.Option(help="Prefill speed")] = 50.0,
     mean_output_tokens: Annotated[int, typer.Option(help="Mean natural output length")] = 300,
+    error_rate: Annotated[
+        list[str] | None,
+        typer.Option(metavar="STATUS=P", help="Answer STATUS with probability P (repeatable)"),
+    ] = None,
+    added_latency_ms: Annotated[float, typer.Option(help="Extra delay on each /generate")] = 0.0,
+    drop_rate: Annotated[float, typer.Option(help="Probability of closing unanswered")] = 0.0,
+    malformed_rate: Annotated[float, typer.Option(help="Probability of a non-JSON 200")] = 0.0,
+    leak_prompt_tokens: Annotated[
+        bool, typer.Option("--leak-prompt-tokens", help="Prepend the prompt to output_ids")
+    ] = False,
+    fault_seed: Annotated[int, typer.Option(help="Seed of the per-request fault draws")] = 0,
 ) -> None:
     """Run the SGLang-compatible simulator (speaks /generate, /metrics, ...)."""
-    from eaglegen.sim import SimConfig, serve
+    from eaglegen.sim import FaultConfig, SimConfig, serve
+    from eaglegen.sim.config import parse_error_rate
 
     try:
+        faults = FaultConfig(
+            error_rates=tuple(parse_error_rate(text) for text in error_rate or ()),
+            added_latency_ms=added_latency_ms,
+            drop_rate=drop_rate,
+            malformed_rate=malformed_rate,
+            leak_prompt_tokens=leak_prompt_tokens,
+            seed=fault_seed,
+        )
         config = SimConfig(
             host=host,
             port=port,
             kv_tokens=kv_tokens,
             context_length=context_length,
             max_running_requests=max_running_requests,
+            max_queued_requests=max_queued_requests,
+            max_prefill_tokens=max_prefill_tokens,
+            max_output_tokens=max_output_tokens,
+            model_path=model_path,
             seed=seed,
             tokenizer_dir=tokenizer,
             decode_step_ms=decode_step_ms,
             decode_ms_per_request=decode_ms_per_request,
             prefill_tokens_per_ms=prefill_tokens_per_ms,
             mean_output_tokens=mean_output_tokens,
+            faults=faults,
         )
     except ValueError as exc:
         fail(str(exc))
+    if faults.any_enabled():
+        err.print(f"injecting faults: {json.dumps(faults.to_json())}", highlight=False)
     serve(config, on_ready=lambda url: err.print(f"simulator listening on {url}"))
+
+
+def _repository(settings: Any) -> Any:
+    from models.db import make_engine
+    from models.repository import Repository
+
+    if settings.database_url is None:
+        fail("no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up`")
+    return Repository(make_engine(settings.database_url, pool_size=1))
+
+
+@budget_app.command("show")
+def budget_show(
+    run: Annotated[str | None, typer.Option(help="Only this run")] = None,
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Budget, used and reserved tokens, and skipped jobs per dataset."""
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from models.budget import format_tokens
+
+    repo = _repository(load_settings(database_url=database_url, data_dir=data_dir))
+    rows = repo.budgets(run)
+    repo.engine.dispose()
+    if json_out:
+        emit_json({"datasets": [asdict(r) for r in rows]})
+        return
+    table = Table(title="budgets")
+    for column in ("run", "dataset", "budget", "basis", "used", "reserved", "skipped jobs"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(
+            r.run,
+            r.dataset,
+            format_tokens(r.budget_tokens),
+            r.budget_basis,
+            f"{r.used_tokens:,}",
+            f"{r.reserved_tokens:,}",
+            f"{r.skipped_jobs:,}",
+        )
+    Console().print(table)
+
+
+@budget_app.command("set")
+def budget_set(
+    dataset: Annotated[str, typer.Argument(help="Dataset name")],
+    amount: Annotated[str, typer.Argument(help="10M, 500k, 1200000 or unlimited")],
+    run: Annotated[str | None, typer.Option(help="Run (needed when names repeat)")] = None,
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    broker_url: BrokerUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Change a budget; raising it re-queues and publishes the jobs it had skipped."""
+    from eaglegen.queue import BulkPublisher
+    from models.budget import format_tokens, parse_tokens
+
+    settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
+    try:
+        budget = parse_tokens(amount)
+        _, broker = require_services(settings)
+        repo = _repository(settings)
+        requeued = repo.set_budget(run, dataset, budget)
+    except ValueError as exc:
+        fail(str(exc))
+    publisher = BulkPublisher(broker, settings.queue)
+    publisher.publish(requeued)
+    publisher.close()
+    repo.engine.dispose()
+    if json_out:
+        emit_json({"dataset": dataset, "budget_tokens": budget, "requeued": len(requeued)})
+    else:
+        err.print(
+            f"{dataset}: budget {format_tokens(budget)}; {len(requeued)} skipped job(s) "
+            "queued again"
+        )
+
+
+@app.command()
+def reconcile(
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    broker_url: BrokerUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Re-queue jobs of dead workers and publish queued jobs missing from Redis."""
+    import redis as redis_lib
+
+    from eaglegen.queue import BulkPublisher
+    from worker.reconcile import reconcile as run_reconcile
+
+    settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
+    try:
+        _, broker = require_services(settings)
+    except ValueError as exc:
+        fail(str(exc))
+    repo = _repository(settings)
+    client = redis_lib.Redis.from_url(broker)
+    publisher = BulkPublisher(broker, settings.queue)
+    report = run_reconcile(
+        repo,
+        client,
+        publisher,
+        max_attempts=settings.max_attempts,
+        republish_after_s=settings.republish_after_s,
+    )
+    publisher.close()
+    client.close()
+    repo.engine.dispose()
+    if json_out:
+        emit_json(report.as_dict())
+    else:
+        err.print(
+            f"re-queued {report.expired_leases} job(s) with expired leases, published "
+            f"{report.republished} missing message(s)"
+        )
+
+
+@app.command()
+def audit(
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Check the invariants on a live database; exit 1 naming any violation."""
+    settings = load_settings(database_url=database_url, data_dir=data_dir)
+    repo = _repository(settings)
+    # A lease may lapse for up to one reconciler interval before it is noticed.
+    problems = repo.audit(lease_grace_s=2 * settings.reconcile_interval_s)
+    overshoot = repo.max_overshoot()
+    repo.engine.dispose()
+    if json_out:
+        emit_json(
+            {
+                "ok": not problems,
+                "violations": problems,
+                "over_budget": [{"run": r, "dataset": d, "tokens": o} for r, d, o in overshoot],
+            }
+        )
+    else:
+        for problem in problems:
+            err.print(f"[red]violation:[/] {problem}", highlight=False)
+        for r, d, o in overshoot:
+            err.print(f"{r}/{d}: {o:,} tokens over budget (bounded by one job's reservation)")
+        err.print("ok: every invariant holds" if not problems else f"{len(problems)} violation(s)")
+    if problems:
+        raise typer.Exit(1)
 
 
 def enqueue_table(report: Any) -> Any:

@@ -39,8 +39,21 @@ class Settings(BaseSettings):
     worker_concurrency: int = Field(default=64, ge=1, le=4096)
     max_attempts: int = Field(default=5, ge=1)
     request_timeout_s: float = Field(default=3600.0, gt=0)
-    lease_seconds: int = Field(default=600, ge=5)
+    lease_seconds: int = Field(default=600, ge=2)
     queue: str = "eaglegen"
+    # In-flight limit per server when its spec sets none (all workers and hosts together).
+    server_max_inflight: int = Field(default=256, ge=1)
+    slot_lease_seconds: float = Field(default=60.0, gt=0)
+    slot_wait_s: float = Field(default=10.0, ge=0)
+    health_interval_s: float = Field(default=10.0, gt=0)
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    reconcile_interval_s: float = Field(default=60.0, gt=0)
+    # A queued job unchanged this long whose message is missing from Redis is published again.
+    republish_after_s: float = Field(default=30.0, ge=0)
+    budget_defer_s: float = Field(default=5.0, ge=0)
+    retry_base_s: float = Field(default=1.0, ge=0)
+    retry_cap_s: float = Field(default=60.0, ge=0)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
 
     @field_validator("database_url")
     @classmethod

@@ -69,6 +69,16 @@ class ClaimedJob:
     input_ids: list[int]
     sampling_params: dict[str, Any]
     attempts: int
+    reserved_tokens: int = 0
+    think_end_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The answer to a claim: the job when won, else why not."""
+
+    outcome: str  # "claimed" | "not_queued" | "deferred" | "skipped"
+    job: ClaimedJob | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,9 @@ class GenerationRecord:
     e2e_latency: float
     server: str
     meta_info: dict[str, Any] = field(default_factory=dict)
+    think_end_present: bool | None = None
+    reasoning_tokens: int | None = None
+    answer_tokens: int | None = None
 
 
 @dataclass(frozen=True)

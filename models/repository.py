@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy import Engine, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from models.audit import AuditQueries
+from models.budgets import BudgetQueries
+from models.jobs import JobQueries
 from models.records import (
-    ClaimedJob,
     DatasetCounts,
     DatasetSpec,
-    GenerationRecord,
     NewJob,
     Rejection,
     RunSpec,
@@ -41,11 +41,7 @@ _INSERT_JOBS = text("""
 """)
 
 
-class _AlreadyRecordedError(Exception):
-    """Raised inside a transaction to roll it back."""
-
-
-class Repository:
+class Repository(JobQueries, BudgetQueries, AuditQueries):
     """All SQL behind named methods; one instance per process, shared by threads."""
 
     def __init__(self, engine: Engine) -> None:
@@ -156,100 +152,6 @@ class Repository:
         with self.engine.begin() as conn:
             conn.execute(stmt, values)
 
-    # --- worker ------------------------------------------------------------------------
-
-    def claim(self, job_id: int, worker: str, lease_seconds: int) -> ClaimedJob | None:
-        """Move a queued job to running for ``worker``; None when another worker has it."""
-        stmt = (
-            update(Job)
-            .where(Job.id == job_id, Job.state == JobState.QUEUED.value)
-            .values(
-                state=JobState.RUNNING.value,
-                attempts=Job.attempts + 1,
-                worker=worker,
-                lease_until=func.now() + timedelta(seconds=lease_seconds),
-                updated_at=func.now(),
-            )
-            .returning(Job.id, Job.dataset_id, Job.input_ids, Job.attempts)
-        )
-        with self.engine.begin() as conn:
-            row = conn.execute(stmt).one_or_none()
-            if row is None:
-                return None
-            params = conn.scalar(
-                select(Dataset.sampling_params).where(Dataset.id == row.dataset_id)
-            )
-        return ClaimedJob(
-            id=int(row.id),
-            dataset_id=int(row.dataset_id),
-            input_ids=list(row.input_ids),
-            sampling_params=dict(params or {}),
-            attempts=int(row.attempts),
-        )
-
-    def record(self, job_id: int, worker: str, gen: GenerationRecord) -> bool:
-        """Store the generation and mark the job done, atomically; False if not ours."""
-        try:
-            return self._record(job_id, worker, gen)
-        except _AlreadyRecordedError:
-            return False
-
-    def _record(self, job_id: int, worker: str, gen: GenerationRecord) -> bool:
-        with self.engine.begin() as conn:
-            done = conn.execute(
-                update(Job)
-                .where(
-                    Job.id == job_id,
-                    Job.state == JobState.RUNNING.value,
-                    Job.worker == worker,
-                )
-                .values(
-                    state=JobState.DONE.value,
-                    lease_until=None,
-                    last_error=None,
-                    updated_at=func.now(),
-                    finished_at=func.now(),
-                )
-            )
-            if done.rowcount != 1:
-                return False
-            inserted = conn.scalar(
-                pg_insert(Generation)
-                .values(job_id=job_id, **_generation_values(gen))
-                .on_conflict_do_nothing(index_elements=[Generation.job_id])
-                .returning(Generation.job_id)
-            )
-            if inserted is None:
-                # A stored generation for a job that was still running: keep the first,
-                # roll this transaction back so the job is not marked done twice.
-                raise _AlreadyRecordedError(job_id)
-        return True
-
-    def release(self, job_id: int, worker: str, error: str) -> bool:
-        """Give a running job back to the queue after a retryable error."""
-        return self._finish_attempt(job_id, worker, JobState.QUEUED, error)
-
-    def fail(self, job_id: int, worker: str, error: str) -> bool:
-        """End a running job as failed with the reason."""
-        return self._finish_attempt(job_id, worker, JobState.FAILED, error)
-
-    def _finish_attempt(self, job_id: int, worker: str, target: JobState, error: str) -> bool:
-        values: dict[str, Any] = {
-            "state": target.value,
-            "last_error": error[:4000],
-            "lease_until": None,
-            "updated_at": func.now(),
-        }
-        if target is JobState.FAILED:
-            values["finished_at"] = func.now()
-        stmt = (
-            update(Job)
-            .where(Job.id == job_id, Job.state == JobState.RUNNING.value, Job.worker == worker)
-            .values(**values)
-        )
-        with self.engine.begin() as conn:
-            return conn.execute(stmt).rowcount == 1
-
     # --- reports -----------------------------------------------------------------------
 
     def counts(self, run: str | None = None) -> list[DatasetCounts]:
@@ -334,20 +236,6 @@ class Repository:
             stmt = stmt.where(Generation.job_id == job_id)
         with self.engine.connect() as conn:
             return int(conn.scalar(stmt) or 0)
-
-
-def _generation_values(gen: GenerationRecord) -> dict[str, Any]:
-    return {
-        "output_ids": gen.output_ids,
-        "finish_type": gen.finish_type,
-        "finish_matched": gen.finish_matched,
-        "prompt_tokens": gen.prompt_tokens,
-        "completion_tokens": gen.completion_tokens,
-        "cached_tokens": gen.cached_tokens,
-        "e2e_latency": gen.e2e_latency,
-        "server": gen.server,
-        "meta_info": gen.meta_info,
-    }
 
 
 def _assemble_counts(

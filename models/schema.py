@@ -49,6 +49,9 @@ class Run(Base):
     chat_template_kwargs: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
     max_context_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
     package_versions: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    # Set when the generation prompt ends with the think-start token: the model must then
+    # emit this think-end token before its answer.
+    think_end_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = _now()
 
 
@@ -59,6 +62,7 @@ class Dataset(Base):
     __table_args__ = (
         UniqueConstraint("run_id", "name"),
         CheckConstraint("budget_basis IN ('completion', 'total')", name="budget_basis_known"),
+        CheckConstraint("used_tokens >= 0 AND reserved_tokens >= 0", name="ledger_nonnegative"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -81,6 +85,8 @@ class Job(Base):
         UniqueConstraint("dataset_id", "prompt_sha256"),
         CheckConstraint(f"state IN ({_STATES})", name="state_known"),
         Index("ix_jobs_state_dataset", "state", "dataset_id"),
+        Index("ix_jobs_running_lease", "lease_until", postgresql_where="state = 'running'"),
+        CheckConstraint("reserved_tokens >= 0", name="reserved_nonnegative"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -92,6 +98,8 @@ class Job(Base):
     messages: Mapped[Any] = mapped_column(JSONB)
     state: Mapped[str] = mapped_column(String(16), server_default=JobState.QUEUED.value)
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Budget this job holds while running (its worst case), 0 otherwise.
+    reserved_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     worker: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -114,6 +122,10 @@ class Generation(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer)
     e2e_latency: Mapped[float] = mapped_column(Float)
     server: Mapped[str] = mapped_column(Text)
+    # Reasoning runs only: whether the think-end token was generated, and the split.
+    think_end_present: Mapped[bool | None] = mapped_column(nullable=True)
+    reasoning_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    answer_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     meta_info: Mapped[dict[str, Any]] = mapped_column(JSONB)
     created_at: Mapped[datetime] = _now()
 

@@ -22,6 +22,7 @@ class AttemptError(Exception):
 
     reason: str
     retryable: bool
+    transport: bool = False  # the connection failed: says something about the server
 
     def __str__(self) -> str:
         return self.reason

@@ -1,18 +1,29 @@
-"""One job attempt: claim, call the server, check, record. The Celery task wraps this."""
+"""One job attempt: take a slot, claim, call the server, check, record.
+
+Every path leaves the job settled in Postgres (running only while this process works on
+it) and the slot returned. The Celery task wraps this and turns the result into a message.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from eaglegen.settings import Settings
+import redis
+
+from eaglegen.settings import ServerSpec, Settings
 from models.db import make_engine
+from models.records import ClaimedJob, GenerationRecord
 from models.repository import Repository
+from worker.reasoning import split_reasoning
 from worker.retry import AttemptError, Disposition, backoff, decide
+from worker.servers import Lease, Router, Server
 from worker.sglang import SGLangClient
+from worker.slots import SlotPool
 from worker.validate import check_response
 
 log = logging.getLogger(__name__)
@@ -23,14 +34,17 @@ class Outcome(Enum):
 
     DONE = "done"
     NOT_CLAIMED = "not_claimed"  # another worker has it, or it is no longer queued
-    RETRY = "retry"
+    RETRY = "retry"  # back in `queued`, to be published again after a backoff
     FAILED = "failed"
     LOST = "lost"  # our claim was taken away before we could record
+    NO_SLOT = "no_slot"  # none of our servers could take it: let another worker have it
+    DEFERRED = "deferred"  # the budget is held by running jobs: ask again later
+    SKIPPED = "skipped"  # the budget is spent
 
 
 @dataclass(frozen=True)
 class Result:
-    """The outcome and, for RETRY, the delay before the job is published again."""
+    """The outcome and, for RETRY/DEFERRED, the delay before the job is published again."""
 
     outcome: Outcome
     retry_in_s: float = 0.0
@@ -38,64 +52,125 @@ class Result:
 
 @dataclass
 class WorkerContext:
-    """Per-process state: built once, after the fork, shared by the pool's threads."""
+    """Per-process state: built once, after any fork, shared by the pool's threads."""
 
     settings: Settings
     repo: Repository
-    clients: list[SGLangClient]
+    router: Router
+    redis: redis.Redis
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    in_flight: set[int] = field(default_factory=set)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, settings: Settings) -> WorkerContext:
-        """Engine, repository and one HTTP client per configured server."""
-        if settings.database_url is None:
-            raise ValueError("no database url: set EAGLEGEN_DATABASE_URL or pass --database-url")
-        if not settings.servers:
+    def build(cls, settings: Settings, servers: list[ServerSpec] | None = None) -> WorkerContext:
+        """Engine, repository, Redis and one HTTP client per attached server."""
+        if settings.database_url is None or settings.broker_url is None:
+            raise ValueError("no database/broker url: set EAGLEGEN_DATABASE_URL/BROKER_URL")
+        specs = servers if servers is not None else settings.servers
+        if not specs:
             raise ValueError("no SGLang servers: set EAGLEGEN_SERVERS or pass --server URL")
         engine = make_engine(settings.database_url, pool_size=min(settings.worker_concurrency, 32))
-        clients = [
-            SGLangClient(
-                s,
-                timeout_s=settings.request_timeout_s,
-                max_connections=s.max_inflight or settings.worker_concurrency,
+        client = redis.Redis.from_url(settings.broker_url)
+        attached = [
+            Server(
+                spec=s,
+                limit=s.max_inflight or settings.server_max_inflight,
+                client=SGLangClient(
+                    s,
+                    timeout_s=settings.request_timeout_s,
+                    max_connections=settings.worker_concurrency,
+                ),
             )
-            for s in settings.servers
+            for s in specs
         ]
-        return cls(settings=settings, repo=Repository(engine), clients=clients)
+        router = Router(attached, SlotPool(client, lease_seconds=settings.slot_lease_seconds))
+        return cls(settings=settings, repo=Repository(engine), router=router, redis=client)
 
-    def client_for(self, job_id: int) -> SGLangClient:
-        """The server for this job (spread by id until routing by free slots lands)."""
-        return self.clients[job_id % len(self.clients)]
+    def track(self, job_id: int, running: bool) -> None:
+        """Remember which jobs this process runs, for lease renewal."""
+        with self._lock:
+            (self.in_flight.add if running else self.in_flight.discard)(job_id)
+
+    def running_jobs(self) -> list[int]:
+        """The jobs this process is running now."""
+        with self._lock:
+            return list(self.in_flight)
 
     def close(self) -> None:
         """Release connections."""
-        for client in self.clients:
-            client.close()
+        for server in self.router.servers:
+            server.client.close()
         self.repo.engine.dispose()
+        self.redis.close()
 
 
 def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
-    """Run one attempt of ``job_id``; every path leaves the job in a settled state."""
-    claimed = ctx.repo.claim(job_id, ctx.name, ctx.settings.lease_seconds)
-    if claimed is None:
-        return Result(Outcome.NOT_CLAIMED)
-    client = ctx.client_for(job_id)
+    """Run one attempt of ``job_id``; the slot is taken before the claim, so a worker
+    whose servers are full or down never holds a job it cannot start."""
+    if ctx.stopping.is_set():
+        return Result(Outcome.NO_SLOT)
+    lease = ctx.router.acquire(ctx.settings.slot_wait_s)
+    if lease is None:
+        return Result(Outcome.NO_SLOT)
     try:
-        body = client.generate(claimed.input_ids, claimed.sampling_params, rid=str(job_id))
-        record = check_response(body, claimed.input_ids, client.server.name)
+        return _claimed_attempt(ctx, job_id, lease)
+    finally:
+        ctx.router.release(lease)
+
+
+def _claimed_attempt(ctx: WorkerContext, job_id: int, lease: Lease) -> Result:
+    claim = ctx.repo.claim(job_id, ctx.name, ctx.settings.lease_seconds)
+    if claim.outcome == "deferred":
+        return Result(Outcome.DEFERRED, retry_in_s=ctx.settings.budget_defer_s)
+    if claim.outcome == "skipped":
+        return Result(Outcome.SKIPPED)
+    if claim.job is None:
+        return Result(Outcome.NOT_CLAIMED)
+    ctx.track(job_id, True)
+    try:
+        record = _generate(lease.server, claim.job)
     except AttemptError as error:
-        return _settle_failure(ctx, job_id, claimed.attempts, error)
+        return _settle_failure(ctx, lease.server, claim.job, error)
+    finally:
+        ctx.track(job_id, False)
     if ctx.repo.record(job_id, ctx.name, record):
         return Result(Outcome.DONE)
     log.warning("job %s: claim lost before recording; result dropped", job_id)
     return Result(Outcome.LOST)
 
 
-def _settle_failure(ctx: WorkerContext, job_id: int, attempts: int, error: AttemptError) -> Result:
-    disposition = decide(error, attempts, ctx.settings.max_attempts)
-    if disposition is Disposition.RETRY:
-        ctx.repo.release(job_id, ctx.name, str(error))
-        return Result(Outcome.RETRY, retry_in_s=backoff(attempts))
-    ctx.repo.fail(job_id, ctx.name, str(error))
-    log.warning("job %s failed after %s attempt(s): %s", job_id, attempts, error)
+def _generate(server: Server, job: ClaimedJob) -> GenerationRecord:
+    body = server.client.generate(job.input_ids, job.sampling_params, rid=str(job.id))
+    record = check_response(body, job.input_ids, server.name)
+    if job.think_end_id is None:
+        return record
+    split = split_reasoning(record.output_ids, job.think_end_id)
+    return replace(
+        record,
+        think_end_present=split.think_end_present,
+        reasoning_tokens=split.reasoning_tokens,
+        answer_tokens=split.answer_tokens,
+    )
+
+
+def _settle_failure(
+    ctx: WorkerContext, server: Server, job: ClaimedJob, error: AttemptError
+) -> Result:
+    if ctx.stopping.is_set():
+        # Cut short by shutdown, not by the job: give it back without spending an attempt.
+        ctx.repo.release(job.id, ctx.name, f"worker shutting down: {error}", refund=True)
+        return Result(Outcome.NO_SLOT)
+    if error.transport:
+        # Stop sending to a server that drops connections until the health probe says so.
+        ctx.router.mark(server, healthy=False, reason=str(error))
+    if decide(error, job.attempts, ctx.settings.max_attempts) is Disposition.RETRY:
+        ctx.repo.release(job.id, ctx.name, str(error))
+        return Result(
+            Outcome.RETRY,
+            retry_in_s=backoff(job.attempts, ctx.settings.retry_base_s, ctx.settings.retry_cap_s),
+        )
+    ctx.repo.fail(job.id, ctx.name, str(error))
+    log.warning("job %s failed after %s attempt(s): %s", job.id, job.attempts, error)
     return Result(Outcome.FAILED)

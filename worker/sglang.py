@@ -56,7 +56,9 @@ class SGLangClient:
             response = self._http.post("/generate", json=payload)
         except httpx.TransportError as exc:
             raise AttemptError(
-                f"{self.server.name}: {type(exc).__name__}: {exc}", retryable=True
+                f"{self.server.name}: {type(exc).__name__}: {exc}",
+                retryable=True,
+                transport=True,
             ) from exc
         if response.status_code != 200:
             raise AttemptError(
@@ -67,6 +69,10 @@ class SGLangClient:
             return response.json()
         except ValueError as exc:
             raise AttemptError(f"{self.server.name}: malformed JSON body", retryable=True) from exc
+
+    def get(self, path: str, timeout_s: float) -> httpx.Response:
+        """A GET on the server (health probes, metrics)."""
+        return self._http.get(path, timeout=timeout_s)
 
     def close(self) -> None:
         """Close pooled connections."""

@@ -2,7 +2,8 @@
 
 Public API: `SimConfig` (and `FaultConfig`), `create_app(config)`, `serve(config)` (blocking,
 for `eaglegen sim`) and `SimServer(config)`, a context manager running the server on a free
-loopback port in a background thread, exposing `.url`.
+loopback port in a background thread, exposing `.url`. Faults (`FaultConfig`) are set at startup
+or at runtime through `GET/POST /sim/faults`; `GET /sim/stats` counts what was injected.
 """
 
 from eaglegen.sim.config import FaultConfig, SimConfig

@@ -1,16 +1,30 @@
-"""Settings of the SGLang simulator: capacity, timing and output shape."""
+"""Settings of the SGLang simulator: capacity, timing, output shape and faults."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from eaglegen.assets import TOKENIZER_DIR
+
+# Statuses an injected error may carry: client and server errors only.
+_ERROR_STATUSES = range(400, 600)
+_FAULT_FIELDS = (
+    "error_rates",
+    "added_latency_ms",
+    "drop_rate",
+    "malformed_rate",
+    "leak_prompt_tokens",
+    "seed",
+    "unhealthy",
+)
 
 
 @dataclass(frozen=True)
 class FaultConfig:
-    """Fault knobs, all off by default (reserved slot: the server rejects any that is set)."""
+    """Fault knobs, all off by default; replaceable at runtime through POST /sim/faults."""
 
     # Probability per /generate call of answering with each status instead, e.g. ((503, 0.05),).
     error_rates: tuple[tuple[int, float], ...] = ()
@@ -22,10 +36,105 @@ class FaultConfig:
     malformed_rate: float = 0.0
     # Prepend the prompt to output_ids, as some SGLang versions did.
     leak_prompt_tokens: bool = False
+    # Seeds the per-request fault draws, so a run's faults are reproducible.
+    seed: int = 0
+    # /health and /health_generate answer 503, as a server going down would.
+    unhealthy: bool = False
+
+    def __post_init__(self) -> None:
+        """Reject impossible knobs; keep error_rates sorted so equal configs compare equal."""
+        rates = tuple(sorted((int(s), float(p)) for s, p in self.error_rates))
+        object.__setattr__(self, "error_rates", rates)
+        statuses = [status for status, _ in rates]
+        _require(len(set(statuses)) == len(statuses), "error_rates: one rate per status")
+        for status, rate in rates:
+            _require(status in _ERROR_STATUSES, f"error_rates: {status} is not a 4xx/5xx status")
+            _require(0.0 <= rate <= 1.0, f"error_rates: {status} rate must be in [0, 1]")
+        _require(0.0 <= self.drop_rate <= 1.0, "drop_rate must be in [0, 1]")
+        _require(0.0 <= self.malformed_rate <= 1.0, "malformed_rate must be in [0, 1]")
+        # One draw per request picks at most one fault, so the rates share the unit interval.
+        _require(self.total_rate() <= 1.0 + 1e-9, "fault rates must add up to at most 1")
+        _require(self.added_latency_ms >= 0.0, "added_latency_ms must be >= 0")
+
+    def total_rate(self) -> float:
+        """Probability that a /generate call gets a fault instead of a normal answer."""
+        return self.drop_rate + self.malformed_rate + sum(rate for _, rate in self.error_rates)
 
     def any_enabled(self) -> bool:
-        """True when at least one fault knob is set."""
-        return self != FaultConfig()
+        """True when at least one fault knob is set (the seed alone changes nothing)."""
+        return replace(self, seed=0) != FaultConfig()
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form served by GET /sim/faults (error_rates as {"503": 0.2})."""
+        body = asdict(self)
+        body["error_rates"] = {str(status): rate for status, rate in self.error_rates}
+        return body
+
+    @classmethod
+    def from_json(cls, body: object) -> FaultConfig:
+        """Build from the JSON form; absent fields take their defaults; ValueError if invalid."""
+        if not isinstance(body, dict):
+            raise ValueError("faults must be a JSON object")
+        unknown = sorted(set(body) - set(_FAULT_FIELDS))
+        _require(not unknown, f"unknown fault field(s): {unknown}")
+        return cls(
+            error_rates=_json_error_rates(body.get("error_rates", {})),
+            added_latency_ms=_json_number(body, "added_latency_ms"),
+            drop_rate=_json_number(body, "drop_rate"),
+            malformed_rate=_json_number(body, "malformed_rate"),
+            leak_prompt_tokens=_json_bool(body, "leak_prompt_tokens"),
+            seed=_json_int(body, "seed"),
+            unhealthy=_json_bool(body, "unhealthy"),
+        )
+
+
+def parse_error_rate(text: str) -> tuple[int, float]:
+    """One `STATUS=P` command-line value, e.g. "503=0.2"."""
+    status, sep, rate = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(status), float(rate)
+    except ValueError:
+        raise ValueError(f"error rate {text!r} is not STATUS=PROBABILITY, e.g. 503=0.2") from None
+
+
+def _json_error_rates(value: object) -> tuple[tuple[int, float], ...]:
+    """error_rates from {"503": 0.2, ...}."""
+    if not isinstance(value, dict):
+        raise ValueError('error_rates must be an object like {"503": 0.2}')
+    rates = []
+    for status, rate in value.items():
+        _require(str(status).isdigit(), f"error_rates: {status!r} is not a status code")
+        _require(_is_number(rate), f"error_rates: the rate of {status} must be a number")
+        rates.append((int(status), float(rate)))
+    return tuple(rates)
+
+
+def _json_number(body: dict[str, Any], key: str) -> float:
+    """An optional numeric field, 0 when absent."""
+    value = body.get(key, 0.0)
+    _require(_is_number(value), f"{key} must be a number")
+    return float(value)
+
+
+def _json_int(body: dict[str, Any], key: str) -> int:
+    """An optional integer field, 0 when absent."""
+    value = body.get(key, 0)
+    _require(isinstance(value, int) and not isinstance(value, bool), f"{key} must be an integer")
+    return int(value)
+
+
+def _json_bool(body: dict[str, Any], key: str) -> bool:
+    """An optional boolean field, false when absent."""
+    value = body.get(key, False)
+    _require(isinstance(value, bool), f"{key} must be true or false")
+    return bool(value)
+
+
+def _is_number(value: object) -> bool:
+    """A finite JSON number (bool is not one)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

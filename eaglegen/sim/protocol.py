@@ -351,11 +351,16 @@ def response_body(
     text: str,
     cached_tokens: int,
     e2e_latency: float,
+    leak_prompt_tokens: bool = False,
 ) -> dict[str, Any]:
     """One /generate result, with meta_info keys in SGLang's order."""
+    output_ids = completion.output_ids
+    if leak_prompt_tokens:
+        # The real bug's shape: the prompt leads output_ids, completion_tokens does not count it.
+        output_ids = [*item.input_ids, *output_ids]
     return {
         "text": text,
-        "output_ids": completion.output_ids,
+        "output_ids": output_ids,
         "meta_info": {
             "id": item.rid,
             "finish_reason": completion.finish.to_json(),

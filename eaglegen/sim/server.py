@@ -24,7 +24,8 @@ from starlette.types import Receive
 from tokenizers import Tokenizer
 
 from eaglegen.sim import metrics
-from eaglegen.sim.config import SimConfig
+from eaglegen.sim.config import FaultConfig, SimConfig
+from eaglegen.sim.connection import DroppableH11Protocol, drop
 from eaglegen.sim.engine import (
     Completion,
     Job,
@@ -37,6 +38,7 @@ from eaglegen.sim.engine import (
     generate,
     prefill_seconds,
 )
+from eaglegen.sim.faults import MALFORMED_BODY, Fault, FaultInjector, error_body
 from eaglegen.sim.protocol import (
     GenerateItem,
     GenerateRequest,
@@ -101,6 +103,7 @@ class SimService:
         )
         self.meter = ThroughputMeter()
         self.e2e = metrics.Histogram()
+        self.faults = FaultInjector(config.faults)
         self._futures: dict[int, asyncio.Future[None]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -247,10 +250,32 @@ def _service(request: Request) -> SimService:
 
 async def generate_endpoint(request: Request) -> Response:
     """POST /generate: one prompt or a batch, answered when the simulated model finishes."""
-    started = time.perf_counter()
     service = _service(request)
+    # Read the whole request first: a drop then hits a client waiting for its answer.
+    raw = await request.body()
+    # Faults are decided before parsing and scheduling, so a faulted call costs no KV.
+    decision = service.faults.decide()
+    if decision.delay_s > 0:
+        await asyncio.sleep(decision.delay_s)
+    if decision.fault is not None:
+        return await _inject(decision.fault, request)
+    return await _generate(service, raw, request.receive, leak=decision.leak_prompt_tokens)
+
+
+async def _inject(fault: Fault, request: Request) -> Response:
+    """The answer to a faulted call, or the lack of one."""
+    if fault.kind == "drop":
+        return await drop(request)
+    if fault.kind == "malformed":
+        return Response(MALFORMED_BODY, media_type="application/json")
+    return JSONResponse(error_body(fault.status), status_code=fault.status)
+
+
+async def _generate(service: SimService, raw: bytes, receive: Receive, *, leak: bool) -> Response:
+    """Validate, schedule and answer one /generate call."""
+    started = time.perf_counter()
     try:
-        parsed = parse_generate(await _json_body(request), service.limits)
+        parsed = parse_generate(_json_body(raw), service.limits)
     except RequestError as exc:
         return JSONResponse(exc.body(), status_code=400)
     if not service.alive():
@@ -260,21 +285,21 @@ async def generate_endpoint(request: Request) -> Response:
         body = validation_error_body("The request queue is full.", code=503, kind="503")
         return JSONResponse(body, status_code=503)
     jobs = [service.make_job(item, parsed.log_metrics) for item in parsed.items]
-    if not await service.run(jobs, request.receive):
+    if not await service.run(jobs, receive):
         return Response(status_code=499)  # nobody is listening any more
-    return JSONResponse(_results(service, parsed, jobs, started))
+    return JSONResponse(_results(service, parsed, jobs, started, leak))
 
 
-async def _json_body(request: Request) -> object:
+def _json_body(raw: bytes) -> object:
     """The request body as JSON, or the validation error FastAPI would give."""
     try:
-        return json.loads(await request.body())
+        return json.loads(raw)
     except ValueError as exc:
         raise RequestError(f"JSON decode error: {exc}", validation=True) from exc
 
 
 def _results(
-    service: SimService, parsed: GenerateRequest, jobs: list[Job], started: float
+    service: SimService, parsed: GenerateRequest, jobs: list[Job], started: float, leak: bool
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """Response bodies for finished jobs: a dict, or a list for a batch."""
     latency = time.perf_counter() - started
@@ -290,14 +315,19 @@ def _results(
                 text=text,
                 cached_tokens=job.cached_tokens,
                 e2e_latency=latency,
+                leak_prompt_tokens=leak,
             )
         )
+    if leak:
+        service.faults.stats.leaked += len(bodies)
     return bodies if parsed.is_batch else bodies[0]
 
 
 async def health_endpoint(request: Request) -> Response:
-    """GET /health and /health_generate: 200 while the step loop runs, 503 otherwise."""
-    return Response(status_code=200 if _service(request).alive() else 503)
+    """GET /health and /health_generate: 200 while the step loop runs and no fault says down."""
+    service = _service(request)
+    healthy = service.alive() and service.faults.health_ok()
+    return Response(status_code=200 if healthy else 503)
 
 
 async def model_info_endpoint(request: Request) -> Response:
@@ -326,7 +356,7 @@ async def server_info_endpoint(request: Request) -> Response:
             "max_req_input_len": min(cfg.context_length - 1, cfg.kv_tokens - 1) - 5,
             "internal_states": [_internal_state(service)],
             "version": SIM_VERSION,
-            "simulator": _sim_knobs(cfg),
+            "simulator": _sim_knobs(service),
         }
     )
 
@@ -367,10 +397,12 @@ def _internal_state(service: SimService) -> dict[str, Any]:
     }
 
 
-def _sim_knobs(cfg: SimConfig) -> dict[str, Any]:
+def _sim_knobs(service: SimService) -> dict[str, Any]:
     """The simulator's own settings (not an SGLang key), for benchmarks and debugging."""
-    knobs = asdict(cfg)
-    knobs["tokenizer_dir"] = str(cfg.tokenizer_path)
+    knobs = asdict(service.config)
+    knobs["tokenizer_dir"] = str(service.config.tokenizer_path)
+    # The faults in force now, which POST /sim/faults may have changed since startup.
+    knobs["faults"] = service.faults.config.to_json()
     return knobs
 
 
@@ -390,10 +422,25 @@ async def flush_cache_endpoint(request: Request) -> Response:
     return PlainTextResponse(_FLUSH_TEXT)
 
 
+async def faults_endpoint(request: Request) -> Response:
+    """GET /sim/faults: the active faults; POST replaces them all (absent fields are off)."""
+    service = _service(request)
+    if request.method == "POST":
+        try:
+            faults = FaultConfig.from_json(json.loads(await request.body()))
+        except ValueError as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+        service.faults.replace(faults)
+    return JSONResponse(service.faults.config.to_json())
+
+
+async def stats_endpoint(request: Request) -> Response:
+    """GET /sim/stats: faults injected per kind since startup."""
+    return JSONResponse(_service(request).faults.stats.to_json())
+
+
 def create_app(config: SimConfig) -> Starlette:
     """The simulator as an ASGI app; the tokenizer loads and the step loop starts at startup."""
-    if config.faults.any_enabled():
-        raise NotImplementedError("simulator fault knobs are not implemented yet")
     tokenizer_json = config.tokenizer_path / "tokenizer.json"
     if not tokenizer_json.is_file():
         # Fail here, not inside uvicorn's lifespan where the cause would be swallowed.
@@ -418,14 +465,18 @@ def create_app(config: SimConfig) -> Starlette:
         Route("/get_server_info", server_info_endpoint, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/flush_cache", flush_cache_endpoint, methods=["GET", "POST"]),
+        # The simulator's own controls, under a prefix SGLang does not use.
+        Route("/sim/faults", faults_endpoint, methods=["GET", "POST"]),
+        Route("/sim/stats", stats_endpoint, methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 
 
 def _uvicorn_config(config: SimConfig) -> uvicorn.Config:
-    """uvicorn settings that hold thousands of open requests."""
+    """uvicorn settings that hold thousands of open requests and can drop a connection."""
     return uvicorn.Config(
         create_app(config),
+        http=DroppableH11Protocol,
         host=config.host,
         port=config.port,
         log_level=config.log_level,
@@ -440,7 +491,9 @@ def _uvicorn_config(config: SimConfig) -> uvicorn.Config:
 def _bind(host: str, port: int) -> socket.socket:
     """A listening socket; port 0 picks a free one."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # An explicit IPPROTO_TCP makes asyncio set TCP_NODELAY on accepted sockets; with proto 0 it
+    # does not, and Nagle holds each response body ~40 ms behind its separately written head.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(4096)
@@ -516,12 +569,14 @@ class SimServer:
     def _wait_healthy(self) -> None:
         """Poll /health until it answers 200, the thread dies or the timeout passes."""
         deadline = time.monotonic() + self.startup_timeout
+        # A server started unhealthy on purpose never passes /health; any answer means it is up.
+        probe = "/sim/faults" if self.config.faults.unhealthy else "/health"
         with httpx.Client(timeout=1.0) as client:
             while time.monotonic() < deadline:
                 if self._thread is None or not self._thread.is_alive():
                     raise RuntimeError("simulator failed to start") from self._error
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/health").status_code == 200:
+                    if client.get(f"{self.url}{probe}").status_code == 200:
                         return
                 time.sleep(0.02)
         raise TimeoutError(f"simulator did not answer /health within {self.startup_timeout}s")

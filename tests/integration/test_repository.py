@@ -50,7 +50,7 @@ def test_claim_is_won_exactly_once_under_concurrent_claimers(repo: Repository) -
     def claimer(name: str) -> None:
         barrier.wait()
         for job_id in ids:
-            if repo.claim(job_id, name, lease_seconds=60) is not None:
+            if repo.claim(job_id, name, lease_seconds=60).job is not None:
                 with lock:
                     wins[job_id] += 1
 
@@ -66,17 +66,18 @@ def test_claim_is_won_exactly_once_under_concurrent_claimers(repo: Repository) -
 
 def test_claim_returns_ids_and_sampling_params(repo: Repository) -> None:
     _, ids = make_dataset(repo, 1)
-    claimed = repo.claim(ids[0], "w", lease_seconds=60)
+    claimed = repo.claim(ids[0], "w", lease_seconds=60).job
     assert claimed is not None
     assert claimed.input_ids == [1, 2, 0]
     assert claimed.sampling_params == {"max_new_tokens": 8}
     assert claimed.attempts == 1
-    assert repo.claim(ids[0], "other", lease_seconds=60) is None
+    assert claimed.reserved_tokens == 8  # completion basis: max_new_tokens
+    assert repo.claim(ids[0], "other", lease_seconds=60).outcome == "not_queued"
 
 
 def test_a_job_recorded_twice_stays_one_row(repo: Repository) -> None:
     _, ids = make_dataset(repo, 1)
-    assert repo.claim(ids[0], "w", lease_seconds=60) is not None
+    assert repo.claim(ids[0], "w", lease_seconds=60).job is not None
     assert repo.record(ids[0], "w", generation()) is True
     assert repo.record(ids[0], "w", generation(5)) is False
     assert repo.generation_count(ids[0]) == 1
@@ -88,9 +89,9 @@ def test_a_job_recorded_twice_stays_one_row(repo: Repository) -> None:
 
 def test_a_worker_that_lost_its_claim_cannot_record(repo: Repository) -> None:
     _, ids = make_dataset(repo, 1)
-    assert repo.claim(ids[0], "w1", lease_seconds=60) is not None
+    assert repo.claim(ids[0], "w1", lease_seconds=60).job is not None
     assert repo.release(ids[0], "w1", "503") is True
-    assert repo.claim(ids[0], "w2", lease_seconds=60) is not None
+    assert repo.claim(ids[0], "w2", lease_seconds=60).job is not None
     assert repo.record(ids[0], "w1", generation()) is False  # stale worker
     assert repo.record(ids[0], "w2", generation()) is True
     assert repo.generation_count() == 1

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from eaglegen import assets
-from eaglegen.sim import FaultConfig, SimConfig, SimServer
+from eaglegen.sim import SimConfig, SimServer
 from eaglegen.sim.metrics import parse
 
 IDS = assets.special_ids(assets.TOKENIZER_DIR)
@@ -271,11 +271,6 @@ def test_a_client_that_gives_up_frees_its_slot(sim: SimServer, client: httpx.Cli
     assert metric_values(client)[f"sglang:num_running_reqs{GAUGE}"] == 0
 
 
-def test_startup_fails_fast_on_a_missing_tokenizer_or_unbuilt_faults(tmp_path: Path) -> None:
+def test_startup_fails_fast_on_a_missing_tokenizer(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError), SimServer(SimConfig(tokenizer_dir=tmp_path)):
-        pass
-    with (
-        pytest.raises(NotImplementedError),
-        SimServer(SimConfig(faults=FaultConfig(drop_rate=0.5))),
-    ):
         pass

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import random
 import statistics
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from eaglegen.sim.config import FaultConfig, SimConfig
+from eaglegen.sim.config import FaultConfig, SimConfig, parse_error_rate
 from eaglegen.sim.engine import (
     BLOCK_TOKENS,
     DEFAULT_MAX_NEW_TOKENS,
@@ -27,8 +30,15 @@ from eaglegen.sim.engine import (
     prefill_seconds,
     validate_lengths,
 )
+from eaglegen.sim.faults import MALFORMED_BODY, Fault, FaultInjector, choose, error_body
 from eaglegen.sim.metrics import Histogram, Snapshot, parse, render
-from eaglegen.sim.protocol import Limits, RequestError, ids_for_text, parse_generate
+from eaglegen.sim.protocol import (
+    Limits,
+    RequestError,
+    ids_for_text,
+    parse_generate,
+    response_body,
+)
 from eaglegen.sim.vocab import load_vocab, longest_free_run
 
 VOCAB = Vocab(
@@ -513,3 +523,124 @@ def test_load_vocab_from_the_packaged_tokenizer() -> None:
     out = generate(prompt(1), UNLIMITED, vocab, SHAPE)
     text = tokenizer.decode(out.output_ids, skip_special_tokens=False)
     assert "</think>" in text and text.endswith("<|im_end|>")
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+MIXED = FaultConfig(drop_rate=0.1, malformed_rate=0.1, error_rates=((503, 0.2), (429, 0.1)), seed=3)
+
+
+def test_one_draw_picks_at_most_one_fault_from_tiled_rates() -> None:
+    # The draw tiles [0, 1): drop, malformed, then statuses ascending (429 before 503).
+    assert choose(MIXED, 0.0) == Fault("drop")
+    assert choose(MIXED, 0.1) == Fault("malformed")
+    assert choose(MIXED, 0.2) == Fault("error", 429)
+    assert choose(MIXED, 0.35) == Fault("error", 503)
+    assert choose(MIXED, 0.5) is None
+    assert choose(FaultConfig(), 0.0) is None
+    assert choose(FaultConfig(error_rates=((500, 1.0),)), 0.999999) == Fault("error", 500)
+
+
+def test_fault_config_validates_and_normalises() -> None:
+    assert FaultConfig(error_rates=((503, 0.1), (429, 0.2))) == FaultConfig(
+        error_rates=((429, 0.2), (503, 0.1))
+    )
+    assert not FaultConfig(seed=5).any_enabled()
+    assert FaultConfig(unhealthy=True).any_enabled()
+    assert MIXED.total_rate() == pytest.approx(0.5)
+    for bad in (
+        {"drop_rate": 1.5},
+        {"malformed_rate": -0.1},
+        {"error_rates": ((200, 0.1),)},
+        {"error_rates": ((503, 0.1), (503, 0.2))},
+        {"error_rates": ((503, 0.6),), "drop_rate": 0.5},
+        {"added_latency_ms": -1.0},
+    ):
+        with pytest.raises(ValueError):
+            FaultConfig(**bad)
+
+
+def test_fault_config_json_round_trip_and_rejections() -> None:
+    body = MIXED.to_json()
+    assert body["error_rates"] == {"429": 0.1, "503": 0.2}
+    assert FaultConfig.from_json(json.loads(json.dumps(body))) == MIXED
+    assert FaultConfig.from_json({}) == FaultConfig()
+    bad_bodies: list[object] = [
+        [],
+        {"drop": 0.1},
+        {"error_rates": [[503, 0.1]]},
+        {"error_rates": {"abc": 0.1}},
+        {"error_rates": {"503": "0.1"}},
+        {"drop_rate": True},
+        {"seed": 1.5},
+        {"unhealthy": 1},
+    ]
+    for bad in bad_bodies:
+        with pytest.raises(ValueError):
+            FaultConfig.from_json(bad)
+
+
+def test_parse_error_rate_from_the_command_line() -> None:
+    assert parse_error_rate("503=0.2") == (503, 0.2)
+    for bad in ("503", "=0.2", "503=x", "x=0.1"):
+        with pytest.raises(ValueError, match="STATUS=PROBABILITY"):
+            parse_error_rate(bad)
+
+
+def test_injector_draws_are_seeded_and_restart_on_replace() -> None:
+    def kinds(injector: FaultInjector, n: int) -> list[Fault | None]:
+        return [injector.decide().fault for _ in range(n)]
+
+    first = kinds(FaultInjector(MIXED), 200)
+    assert first == kinds(FaultInjector(MIXED), 200)
+    rng = random.Random(MIXED.seed)
+    assert first == [choose(MIXED, rng.random()) for _ in range(200)]
+    assert first != kinds(FaultInjector(replace(MIXED, seed=4)), 200)
+    injector = FaultInjector(FaultConfig())
+    assert kinds(injector, 5) == [None] * 5
+    injector.replace(MIXED)
+    assert kinds(injector, 200) == first
+
+
+def test_injector_tallies_every_kind() -> None:
+    faults = FaultConfig(error_rates=((503, 1.0),), added_latency_ms=5, leak_prompt_tokens=True)
+    injector = FaultInjector(faults)
+    decision = injector.decide()
+    assert decision.fault == Fault("error", 503)
+    assert decision.delay_s == pytest.approx(0.005) and decision.leak_prompt_tokens
+    injector.replace(FaultConfig(drop_rate=0.5, malformed_rate=0.5, unhealthy=True))
+    for _ in range(10):
+        injector.decide()
+    assert not injector.health_ok()
+    stats = injector.stats.to_json()
+    injected = stats["injected"]
+    assert stats["generate_requests"] == 11 and injected["errors"] == {"503": 1}
+    assert injected["dropped"] + injected["malformed"] == 10 and injected["dropped"] > 0
+    assert injected["delayed"] == 1 and injected["unhealthy_health_checks"] == 1
+    injector.replace(FaultConfig())
+    assert injector.health_ok()
+
+
+def test_error_bodies_have_sglangs_shapes() -> None:
+    assert set(error_body(400)) == {"error"} and error_body(400)["error"]["message"]
+    queue_full = error_body(503)
+    assert queue_full["message"] == "The request queue is full."
+    assert queue_full["object"] == "error" and queue_full["code"] == 503
+    for status in (429, 500, 502, 504, 599):
+        body = error_body(status)
+        assert body["object"] == "error" and body["code"] == status
+        assert body["type"] == str(status) and body["message"]
+    with pytest.raises(ValueError):
+        json.loads(MALFORMED_BODY)
+
+
+def test_leaked_prompt_tokens_break_the_length_invariant_like_the_real_bug() -> None:
+    item = parse_generate({"input_ids": [5, 6, 7]}, LIMITS).items[0]
+    out = natural(prompt(3))
+    body = response_body(item, out, text="", cached_tokens=0, e2e_latency=0.1)
+    leaked = response_body(
+        item, out, text="", cached_tokens=0, e2e_latency=0.1, leak_prompt_tokens=True
+    )
+    assert leaked["output_ids"] == [5, 6, 7, *body["output_ids"]]
+    assert leaked["meta_info"] == body["meta_info"]
+    assert leaked["meta_info"]["completion_tokens"] == len(out.output_ids)

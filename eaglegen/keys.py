@@ -1,0 +1,25 @@
+"""Every Redis key eaglegen writes besides Celery's own, built in one place."""
+
+from __future__ import annotations
+
+PREFIX = "eaglegen"
+
+
+def slots(server: str) -> str:
+    """Sorted set of in-flight request leases on one SGLang server (score = expiry)."""
+    return f"{PREFIX}:slots:{server}"
+
+
+def heartbeat(host: str, pid: int) -> str:
+    """A worker process's heartbeat record (expires when the worker stops beating)."""
+    return f"{PREFIX}:heartbeat:{host}:{pid}"
+
+
+def heartbeat_pattern(host: str | None = None) -> str:
+    """SCAN pattern for the heartbeats of one host, or of all hosts."""
+    return f"{PREFIX}:heartbeat:{host or '*'}:*"
+
+
+def reconciler_lock() -> str:
+    """Held by the one worker that runs the periodic reconciler."""
+    return f"{PREFIX}:reconciler"

@@ -1,0 +1,112 @@
+"""Invariant checks on a live database (`eaglegen audit`): each query names what it finds."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import Connection, Engine, and_, case, func, select
+
+from models.schema import Dataset, Generation, Job, Run
+from models.states import JobState
+
+DONE, RUNNING = JobState.DONE.value, JobState.RUNNING.value
+
+
+class AuditQueries:
+    """Mixin of the Repository: the invariants of DESIGN §2 and §4."""
+
+    engine: Engine
+
+    def audit(self, lease_grace_s: float) -> list[str]:
+        """Every violated invariant, one sentence each; empty when all hold."""
+        with self.engine.connect() as conn:
+            problems: list[str] = []
+            missing = conn.scalar(
+                select(func.count())
+                .select_from(Job)
+                .outerjoin(Generation, Generation.job_id == Job.id)
+                .where(Job.state == DONE, Generation.job_id.is_(None))
+            )
+            if missing:
+                problems.append(f"{missing} done job(s) have no generation")
+            orphans = conn.scalar(
+                select(func.count())
+                .select_from(Generation)
+                .join(Job, Job.id == Generation.job_id)
+                .where(Job.state != DONE)
+            )
+            if orphans:
+                problems.append(f"{orphans} generation(s) belong to jobs that are not done")
+            problems += self._ledger_problems(conn)
+            stale = conn.scalar(
+                select(func.count())
+                .select_from(Job)
+                .where(
+                    Job.state == RUNNING,
+                    Job.lease_until < func.now() - timedelta(seconds=lease_grace_s),
+                )
+            )
+            if stale:
+                problems.append(
+                    f"{stale} running job(s) hold a lease that expired more than "
+                    f"{lease_grace_s:.0f} s ago (is a reconciler running?)"
+                )
+            held = conn.scalar(
+                select(func.count())
+                .select_from(Job)
+                .where(Job.state != RUNNING, Job.reserved_tokens != 0)
+            )
+            if held:
+                problems.append(f"{held} job(s) not running still hold budget")
+        return problems
+
+    def _ledger_problems(self, conn: Connection) -> list[str]:
+        settled = func.coalesce(
+            func.sum(
+                Generation.completion_tokens
+                + case((Dataset.budget_basis == "total", Generation.prompt_tokens), else_=0)
+            ),
+            0,
+        )
+        reserved = func.coalesce(
+            func.sum(case((Job.state == RUNNING, Job.reserved_tokens), else_=0)), 0
+        )
+        stmt = select(
+            Run.name,
+            Dataset.name,
+            Dataset.used_tokens,
+            Dataset.reserved_tokens,
+            select(settled)
+            .select_from(Generation)
+            .join(Job, Job.id == Generation.job_id)
+            .where(Job.dataset_id == Dataset.id)
+            .correlate(Dataset)
+            .scalar_subquery(),
+            select(reserved)
+            .where(Job.dataset_id == Dataset.id)
+            .correlate(Dataset)
+            .scalar_subquery(),
+        ).join(Run, Run.id == Dataset.run_id)
+        problems = []
+        for run, name, used, held, real_used, real_held in conn.execute(stmt):
+            if used != real_used:
+                problems.append(f"{run}/{name}: used_tokens {used} != {real_used} recorded")
+            if held != real_held:
+                problems.append(
+                    f"{run}/{name}: reserved_tokens {held} != {real_held} held by running jobs"
+                )
+        return problems
+
+    def max_overshoot(self) -> list[tuple[str, str, int]]:
+        """(run, dataset, tokens used beyond the budget) for every dataset over budget."""
+        stmt = (
+            select(Run.name, Dataset.name, Dataset.used_tokens - Dataset.budget_tokens)
+            .join(Run, Run.id == Dataset.run_id)
+            .where(
+                and_(
+                    Dataset.budget_tokens.is_not(None), Dataset.used_tokens > Dataset.budget_tokens
+                )
+            )
+        )
+        with self.engine.connect() as conn:
+            return [(r, d, int(o)) for r, d, o in conn.execute(stmt)]

@@ -1,0 +1,248 @@
+"""Queries of the job life cycle: claim with budget reservation, record, release, leases."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from models.budget import BudgetBasis, Reservation, decide_reservation, settled, worst_case
+from models.records import Claim, ClaimedJob, GenerationRecord
+from models.schema import Dataset, Generation, Job, Run
+from models.states import JobState
+
+RUNNING = JobState.RUNNING.value
+
+
+class _Rollback(Exception):
+    """Raised inside a transaction to undo it and report an outcome."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+class JobQueries:
+    """Mixin of the Repository: every state change of a job, each in one transaction."""
+
+    engine: Engine
+
+    def claim(self, job_id: int, worker: str, lease_seconds: int) -> Claim:
+        """Win a queued job for ``worker`` and reserve its worst case in the budget ledger."""
+        try:
+            with self.engine.begin() as conn:
+                return _claim(conn, job_id, worker, lease_seconds)
+        except _Rollback as rollback:
+            return Claim(rollback.outcome)
+
+    def record(self, job_id: int, worker: str, gen: GenerationRecord) -> bool:
+        """Store the generation, settle the ledger, mark done: atomically; False if not ours."""
+        try:
+            with self.engine.begin() as conn:
+                job = _lock_running(conn, job_id, worker)
+                if job is None:
+                    return False
+                inserted = conn.scalar(
+                    pg_insert(Generation)
+                    .values(job_id=job_id, **generation_values(gen))
+                    .on_conflict_do_nothing(index_elements=[Generation.job_id])
+                    .returning(Generation.job_id)
+                )
+                if inserted is None:  # never while the claim holds; keep the first record
+                    raise _Rollback("already_recorded")
+                basis = conn.scalar(
+                    select(Dataset.budget_basis).where(Dataset.id == job.dataset_id)
+                )
+                cost = settled(gen.prompt_tokens, gen.completion_tokens, BudgetBasis(str(basis)))
+                _settle(conn, job, JobState.DONE, used=cost, error=None)
+        except _Rollback:
+            return False
+        return True
+
+    def release(self, job_id: int, worker: str, error: str, *, refund: bool = False) -> bool:
+        """Give a running job back to the queue; ``refund`` when it was not its fault."""
+        with self.engine.begin() as conn:
+            job = _lock_running(conn, job_id, worker)
+            if job is None:
+                return False
+            _settle(conn, job, JobState.QUEUED, used=0, error=error, refund=refund)
+        return True
+
+    def fail(self, job_id: int, worker: str, error: str) -> bool:
+        """End a running job as failed with the reason, releasing its reservation."""
+        with self.engine.begin() as conn:
+            job = _lock_running(conn, job_id, worker)
+            if job is None:
+                return False
+            _settle(conn, job, JobState.FAILED, used=0, error=error)
+        return True
+
+    def extend_leases(self, job_ids: list[int], worker: str, lease_seconds: int) -> int:
+        """Push the leases of this worker's running jobs forward; how many were still ours."""
+        if not job_ids:
+            return 0
+        stmt = (
+            update(Job)
+            .where(Job.id.in_(job_ids), Job.worker == worker, Job.state == RUNNING)
+            .values(lease_until=func.now() + timedelta(seconds=lease_seconds))
+        )
+        with self.engine.begin() as conn:
+            return int(conn.execute(stmt).rowcount)
+
+    def expire_leases(self, max_attempts: int) -> list[int]:
+        """Re-queue running jobs whose lease ran out (their worker died); the re-queued ids."""
+        requeued = []
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                select(Job.id, Job.dataset_id, Job.reserved_tokens, Job.attempts)
+                .where(Job.state == RUNNING, Job.lease_until < func.now())
+                .with_for_update(skip_locked=True)
+            ).all()
+            for row in rows:
+                target = JobState.QUEUED if row.attempts < max_attempts else JobState.FAILED
+                error = f"lease expired (worker gone?) after attempt {row.attempts}"
+                _settle(conn, row, target, used=0, error=error)
+                if target is JobState.QUEUED:
+                    requeued.append(int(row.id))
+        return requeued
+
+    def queued_job_ids(self, idle_seconds: float) -> list[int]:
+        """Queued jobs that have not changed for ``idle_seconds``."""
+        stmt = (
+            select(Job.id)
+            .where(
+                Job.state == JobState.QUEUED.value,
+                Job.updated_at < func.now() - timedelta(seconds=idle_seconds),
+            )
+            .order_by(Job.id)
+        )
+        with self.engine.connect() as conn:
+            return [int(i) for i in conn.scalars(stmt)]
+
+
+def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Claim:
+    job = conn.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state == JobState.QUEUED.value)
+        .values(
+            state=RUNNING,
+            attempts=Job.attempts + 1,
+            worker=worker,
+            lease_until=func.now() + timedelta(seconds=lease_seconds),
+            updated_at=func.now(),
+        )
+        .returning(Job.id, Job.dataset_id, Job.input_ids, Job.prompt_tokens, Job.attempts)
+    ).one_or_none()
+    if job is None:
+        raise _Rollback("not_queued")
+    # The dataset row lock serializes reservations, so the decision sees a settled ledger.
+    ds = conn.execute(
+        select(
+            Dataset.sampling_params,
+            Dataset.budget_tokens,
+            Dataset.budget_basis,
+            Dataset.used_tokens,
+            Dataset.reserved_tokens,
+            Run.think_end_id,
+        )
+        .join(Run, Run.id == Dataset.run_id)
+        .where(Dataset.id == job.dataset_id)
+        .with_for_update(of=Dataset)
+    ).one()
+    params = dict(ds.sampling_params or {})
+    need = worst_case(
+        job.prompt_tokens, int(params.get("max_new_tokens", 0)), BudgetBasis(ds.budget_basis)
+    )
+    decision = decide_reservation(ds.budget_tokens, ds.used_tokens, ds.reserved_tokens, need)
+    if decision is Reservation.DEFER:
+        raise _Rollback("deferred")
+    if decision is Reservation.SKIP:
+        conn.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(
+                state=JobState.SKIPPED_BUDGET.value,
+                attempts=Job.attempts - 1,
+                worker=None,
+                lease_until=None,
+            )
+        )
+        return Claim("skipped")
+    conn.execute(
+        update(Dataset)
+        .where(Dataset.id == job.dataset_id)
+        .values(reserved_tokens=Dataset.reserved_tokens + need)
+    )
+    conn.execute(update(Job).where(Job.id == job_id).values(reserved_tokens=need))
+    return Claim(
+        "claimed",
+        ClaimedJob(
+            id=int(job.id),
+            dataset_id=int(job.dataset_id),
+            input_ids=list(job.input_ids),
+            sampling_params=params,
+            attempts=int(job.attempts),
+            reserved_tokens=need,
+            think_end_id=ds.think_end_id,
+        ),
+    )
+
+
+def _lock_running(conn: Connection, job_id: int, worker: str) -> Any:
+    return conn.execute(
+        select(Job.id, Job.dataset_id, Job.reserved_tokens, Job.attempts)
+        .where(Job.id == job_id, Job.state == RUNNING, Job.worker == worker)
+        .with_for_update()
+    ).one_or_none()
+
+
+def _settle(
+    conn: Connection,
+    job: Any,
+    target: JobState,
+    *,
+    used: int,
+    error: str | None,
+    refund: bool = False,
+) -> None:
+    """Move a locked running job to ``target`` and return its reservation to the ledger."""
+    values: dict[str, Any] = {
+        "state": target.value,
+        "reserved_tokens": 0,
+        "lease_until": None,
+        "last_error": None if error is None else error[:4000],
+        "updated_at": func.now(),
+    }
+    if target in (JobState.DONE, JobState.FAILED):
+        values["finished_at"] = func.now()
+    if refund:
+        values["attempts"] = Job.attempts - 1
+    conn.execute(update(Job).where(Job.id == job.id).values(**values))
+    conn.execute(
+        update(Dataset)
+        .where(Dataset.id == job.dataset_id)
+        .values(
+            used_tokens=Dataset.used_tokens + used,
+            reserved_tokens=Dataset.reserved_tokens - job.reserved_tokens,
+        )
+    )
+
+
+def generation_values(gen: GenerationRecord) -> dict[str, Any]:
+    """Column values of a generation row."""
+    return {
+        "output_ids": gen.output_ids,
+        "finish_type": gen.finish_type,
+        "finish_matched": gen.finish_matched,
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "cached_tokens": gen.cached_tokens,
+        "e2e_latency": gen.e2e_latency,
+        "server": gen.server,
+        "meta_info": gen.meta_info,
+        "think_end_present": gen.think_end_present,
+        "reasoning_tokens": gen.reasoning_tokens,
+        "answer_tokens": gen.answer_tokens,
+    }

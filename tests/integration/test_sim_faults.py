@@ -1,0 +1,289 @@
+"""The simulator's fault knobs over real HTTP: every error branch a worker must survive."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+import eaglegen.sim
+from eaglegen import assets
+from eaglegen.cli import app
+from eaglegen.sim import FaultConfig, SimConfig, SimServer
+from eaglegen.sim.faults import choose
+from eaglegen.sim.metrics import parse
+
+IDS = assets.special_ids(assets.TOKENIZER_DIR)
+FAST = SimConfig(context_length=4096, decode_step_ms=0.5, decode_ms_per_request=0.005)
+REQUESTS_TOTAL = 'sglang:num_requests_total{model_name="eaglegen/sim-reasoner"}'
+PROMPT_TOKENS_TOTAL = 'sglang:prompt_tokens_total{model_name="eaglegen/sim-reasoner"}'
+
+
+def payload(i: int = 0, max_new: int = 16) -> dict[str, Any]:
+    """A small /generate call with every sampling value explicit."""
+    ids = [IDS.bos, *(100 + (i * 7919 + k * 31) % 3900 for k in range(20)), IDS.think_start]
+    params = {"max_new_tokens": max_new, "temperature": 0.6, "top_p": 0.95}
+    return {"input_ids": ids, "sampling_params": params, "rid": f"job-{i}"}
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimServer]:
+    """One healthy simulator for the module; tests switch its faults at runtime."""
+    with SimServer(FAST) as server:
+        yield server
+
+
+@pytest.fixture
+def client(sim: SimServer) -> Iterator[httpx.Client]:
+    """A client bound to the simulator; the faults are off again after each test."""
+    with httpx.Client(base_url=sim.url, timeout=10) as c:
+        yield c
+        assert c.post("/sim/faults", json={}).status_code == 200
+
+
+def set_faults(client: httpx.Client, **faults: Any) -> dict[str, Any]:
+    """Replace the active faults; returns what the server now reports."""
+    response = client.post("/sim/faults", json=faults)
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def injected(client: httpx.Client) -> dict[str, Any]:
+    """The `injected` part of /sim/stats."""
+    stats: dict[str, Any] = client.get("/sim/stats").json()["injected"]
+    return stats
+
+
+def totals(client: httpx.Client) -> tuple[float, float]:
+    """(requests, prompt tokens) the scheduler has processed, from /metrics."""
+    samples = parse(client.get("/metrics").text)
+    return samples[REQUESTS_TOTAL], samples[PROMPT_TOKENS_TOTAL]
+
+
+@pytest.mark.parametrize("status", [400, 429, 500, 502, 503, 504])
+def test_each_error_status_at_rate_one_gets_its_sglang_body(
+    client: httpx.Client, status: int
+) -> None:
+    set_faults(client, error_rates={str(status): 1.0})
+    before = totals(client)
+    response = client.post("/generate", json=payload())
+    assert response.status_code == status
+    body = response.json()
+    if status == 400:
+        assert set(body) == {"error"} and body["error"]["message"]
+    else:
+        assert body["object"] == "error" and body["code"] == status
+        assert body["type"] == str(status) and body["message"]
+    if status == 503:
+        assert body["message"] == "The request queue is full."
+    assert totals(client) == before  # decided before scheduling: no KV work was done
+
+
+def test_rates_are_honoured_and_reproducible_for_a_seed(client: httpx.Client) -> None:
+    faults = set_faults(client, error_rates={"503": 0.3}, seed=2024)
+    codes = [client.post("/generate", json=payload(i, max_new=1)).status_code for i in range(300)]
+    assert codes.count(503) == 91  # the count seed 2024 gives; about 0.3 of 300
+    assert codes.count(200) == 209
+    # Sequential calls see the server's seeded draws in order: the exact sequence is known.
+    rng = random.Random(2024)
+    config = FaultConfig.from_json(faults)
+    expected = [503 if choose(config, rng.random()) else 200 for _ in range(300)]
+    assert codes == expected
+
+
+async def _timed(url: str, n: int) -> tuple[float, list[int]]:
+    """Send n /generate calls at once; (wall time, statuses)."""
+    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+        start = time.perf_counter()
+        responses = await asyncio.gather(*(c.post("/generate", json=payload(i)) for i in range(n)))
+        return time.perf_counter() - start, [r.status_code for r in responses]
+
+
+def test_added_latency_delays_every_answer_without_blocking(
+    sim: SimServer, client: httpx.Client
+) -> None:
+    before = injected(client)["delayed"]
+    set_faults(client, added_latency_ms=300)
+    start = time.perf_counter()
+    assert client.post("/generate", json=payload()).status_code == 200
+    assert time.perf_counter() - start >= 0.3
+    start = time.perf_counter()
+    assert client.get("/health").status_code == 200
+    assert time.perf_counter() - start < 0.2  # only /generate is delayed
+    set_faults(client, added_latency_ms=300, error_rates={"503": 1.0})
+    elapsed, codes = asyncio.run(_timed(sim.url, 10))
+    assert codes == [503] * 10
+    assert 0.3 <= elapsed < 0.6  # ten delays overlap: asyncio.sleep, not a blocking sleep
+    assert injected(client)["delayed"] - before == 11
+
+
+def test_drop_closes_the_connection_without_any_answer(
+    sim: SimServer, client: httpx.Client
+) -> None:
+    before, counts = totals(client), injected(client)["dropped"]
+    set_faults(client, drop_rate=1.0)
+    with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+        client.post("/generate", json=payload())
+    # At the socket level: the whole request is sent, and the server closes without a byte.
+    url = urlsplit(sim.url)
+    body = json.dumps(payload()).encode()
+    head = f"POST /generate HTTP/1.1\r\nHost: sim\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((url.hostname, url.port), timeout=5) as sock:
+        sock.sendall(head.encode() + body)
+        assert sock.recv(1024) == b""
+    assert injected(client)["dropped"] - counts == 2
+    assert totals(client) == before
+    set_faults(client)
+    assert client.post("/generate", json=payload()).status_code == 200
+
+
+def test_async_clients_see_a_transport_error_too(sim: SimServer, client: httpx.Client) -> None:
+    set_faults(client, drop_rate=1.0)
+
+    async def call() -> None:
+        async with httpx.AsyncClient(base_url=sim.url, timeout=5) as c:
+            await c.post("/generate", json=payload())
+
+    with pytest.raises(httpx.TransportError):
+        asyncio.run(call())
+
+
+def test_malformed_body_is_a_200_that_is_not_json(client: httpx.Client) -> None:
+    set_faults(client, malformed_rate=1.0)
+    response = client.post("/generate", json=payload())
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    with pytest.raises(json.JSONDecodeError):
+        response.json()
+    assert injected(client)["malformed"] >= 1
+
+
+def test_leaked_prompt_tokens_have_the_real_bugs_shape(client: httpx.Client) -> None:
+    call = payload(7, max_new=64)
+    clean = client.post("/generate", json=call).json()
+    set_faults(client, leak_prompt_tokens=True)
+    before = injected(client)["leaked"]
+    leaked = client.post("/generate", json=call).json()
+    prompt, meta = call["input_ids"], leaked["meta_info"]
+    generated = clean["output_ids"]
+    assert leaked["output_ids"] == [*prompt, *generated]
+    assert meta["completion_tokens"] == clean["meta_info"]["completion_tokens"] == len(generated)
+    assert len(leaked["output_ids"]) != meta["completion_tokens"]  # what the worker rejects
+    assert meta["prompt_tokens"] == len(prompt) and leaked["text"] == clean["text"]
+    assert injected(client)["leaked"] - before == 1
+
+
+def test_faults_switch_at_runtime_and_back(client: httpx.Client) -> None:
+    assert client.get("/sim/faults").json() == FaultConfig().to_json()
+    assert client.post("/generate", json=payload()).status_code == 200
+    active = set_faults(client, error_rates={"503": 1.0}, seed=9)
+    assert client.get("/sim/faults").json() == active
+    assert active["error_rates"] == {"503": 1.0} and active["seed"] == 9
+    assert [client.post("/generate", json=payload()).status_code for _ in range(3)] == [503] * 3
+    set_faults(client)
+    assert client.post("/generate", json=payload()).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b'{"drop": 0.5}',
+        b'{"drop_rate": 2}',
+        b'{"drop_rate": 0.6, "malformed_rate": 0.6}',
+        b'{"error_rates": {"200": 0.5}}',
+        b'{"error_rates": [[503, 0.5]]}',
+    ],
+)
+def test_invalid_fault_updates_are_refused_and_change_nothing(
+    client: httpx.Client, content: bytes
+) -> None:
+    active = set_faults(client, added_latency_ms=1)
+    response = client.post("/sim/faults", content=content)
+    assert response.status_code == 400 and response.json()["error"]["message"]
+    assert client.get("/sim/faults").json() == active
+
+
+def test_unhealthy_makes_both_health_endpoints_answer_503(client: httpx.Client) -> None:
+    before = injected(client)["unhealthy_health_checks"]
+    set_faults(client, unhealthy=True)
+    assert client.get("/health").status_code == 503
+    assert client.get("/health_generate").status_code == 503
+    # Only the probes fail; combine with error_rates or drop_rate to fail /generate too.
+    assert client.post("/generate", json=payload()).status_code == 200
+    assert injected(client)["unhealthy_health_checks"] - before == 2
+    set_faults(client)
+    assert client.get("/health").status_code == 200
+
+
+def test_stats_count_faults_per_kind(client: httpx.Client) -> None:
+    before = client.get("/sim/stats").json()
+    set_faults(client, error_rates={"502": 1.0})
+    for _ in range(2):
+        client.post("/generate", json=payload())
+    set_faults(client, error_rates={"429": 1.0})
+    client.post("/generate", json=payload())
+    set_faults(client, malformed_rate=1.0)
+    client.post("/generate", json=payload())
+    after = client.get("/sim/stats").json()
+    assert after["generate_requests"] - before["generate_requests"] == 4
+    errors_before, errors_after = before["injected"]["errors"], after["injected"]["errors"]
+    assert errors_after["502"] - errors_before.get("502", 0) == 2
+    assert errors_after["429"] - errors_before.get("429", 0) == 1
+    assert after["injected"]["malformed"] - before["injected"]["malformed"] == 1
+
+
+def test_faults_set_at_startup_including_an_unhealthy_start() -> None:
+    faults = FaultConfig(error_rates=((502, 1.0),), unhealthy=True, seed=5)
+    with (
+        SimServer(SimConfig(faults=faults)) as server,
+        httpx.Client(base_url=server.url, timeout=10) as c,
+    ):
+        assert c.get("/health").status_code == 503
+        assert c.post("/generate", json=payload()).status_code == 502
+        assert c.get("/sim/faults").json() == faults.to_json()
+        assert c.get("/get_server_info").json()["simulator"]["faults"] == faults.to_json()
+
+
+def test_cli_flags_build_the_fault_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[SimConfig] = []
+    monkeypatch.setattr(eaglegen.sim, "serve", lambda config, on_ready=None: seen.append(config))
+    args = [
+        "sim",
+        "--error-rate",
+        "503=0.2",
+        "--error-rate",
+        "429=0.05",
+        "--added-latency-ms",
+        "25",
+        "--drop-rate",
+        "0.1",
+        "--malformed-rate",
+        "0.05",
+        "--leak-prompt-tokens",
+        "--fault-seed",
+        "7",
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert seen[0].faults == FaultConfig(
+        error_rates=((429, 0.05), (503, 0.2)),
+        added_latency_ms=25.0,
+        drop_rate=0.1,
+        malformed_rate=0.05,
+        leak_prompt_tokens=True,
+        seed=7,
+    )
+    for bad in (["--error-rate", "503"], ["--drop-rate", "0.7", "--error-rate", "503=0.5"]):
+        result = CliRunner().invoke(app, ["sim", *bad])
+        assert result.exit_code == 2 and "error" in result.output

@@ -1,0 +1,146 @@
+"""The worker's side loops: server health, lease renewal, heartbeat, periodic reconciler."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery
+
+from eaglegen import keys
+from eaglegen.queue import BulkPublisher
+from worker.reconcile import reconcile
+from worker.runner import WorkerContext
+from worker.servers import probe
+
+log = logging.getLogger(__name__)
+
+
+class Background:
+    """Starts the side loops of one worker process; each runs on a daemon thread."""
+
+    def __init__(
+        self, ctx: WorkerContext, app: Celery, nodename: str, info: dict[str, Any] | None = None
+    ) -> None:
+        self.ctx = ctx
+        self.app = app
+        self.nodename = nodename
+        self.info = dict(info or {})
+        self.consuming = True
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._publisher = BulkPublisher(ctx.settings.broker_url or "", ctx.settings.queue)
+
+    def start(self) -> None:
+        """Start every loop (the heartbeat first, so `worker --check` sees us at once)."""
+        s = self.ctx.settings
+        self.beat()
+        self._loop("heartbeat", s.heartbeat_interval_s, self.beat)
+        self._loop("health", s.health_interval_s, self.check_health)
+        self._loop("leases", min(s.lease_seconds, s.slot_lease_seconds) / 3, self.renew)
+        self._loop("reconciler", s.reconcile_interval_s, self.reconcile_if_leader)
+
+    def stop(self) -> None:
+        """Stop the loops and remove the heartbeat."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self.ctx.redis.delete(keys.heartbeat(socket.gethostname(), os.getpid()))
+        self._publisher.close()
+
+    def _loop(self, name: str, interval_s: float, step: Callable[[], None]) -> None:
+        def run() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    step()
+                except Exception:  # a side loop must outlive Redis or Postgres restarts
+                    log.exception("worker %s loop failed; retrying in %.1f s", name, interval_s)
+
+        thread = threading.Thread(target=run, name=f"eaglegen-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def beat(self) -> None:
+        """Write this process's heartbeat (expires after three missed beats)."""
+        s = self.ctx.settings
+        record = {
+            **self.info,
+            "worker": self.ctx.name,
+            "nodename": self.nodename,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "ts": time.time(),
+            "in_flight": len(self.ctx.running_jobs()),
+            "consuming": self.consuming,
+            "servers": {
+                srv.name: {
+                    "healthy": srv.healthy,
+                    "reason": srv.reason,
+                    "held": len(srv.held),
+                    "limit": srv.limit,
+                }
+                for srv in self.ctx.router.servers
+            },
+        }
+        self.ctx.redis.set(
+            keys.heartbeat(socket.gethostname(), os.getpid()),
+            json.dumps(record),
+            ex=max(1, int(3 * s.heartbeat_interval_s)),
+        )
+
+    def check_health(self) -> None:
+        """Probe every attached server; stop consuming while none is up."""
+        timeout = min(self.ctx.settings.health_interval_s * 3, 60.0)
+        for server in self.ctx.router.servers:
+            reason = probe(server, timeout)
+            self.ctx.router.mark(server, healthy=reason is None, reason=reason or "")
+            if reason is not None:
+                log.info("server %s still down: %s", server.name, reason)
+        self._set_consuming(self.ctx.router.any_healthy())
+
+    def _set_consuming(self, consume: bool) -> None:
+        if consume == self.consuming:
+            return
+        queue = self.ctx.settings.queue
+        # Control messages go through the broker to this worker's own consumer thread.
+        if consume:
+            self.app.control.add_consumer(queue, destination=[self.nodename], reply=False)
+        else:
+            self.app.control.cancel_consumer(queue, destination=[self.nodename], reply=False)
+        self.consuming = consume
+        if consume:
+            log.warning("resuming queue %s: a server is up again", queue)
+        else:
+            log.warning("pausing queue %s: none of this worker's servers is up", queue)
+
+    def renew(self) -> None:
+        """Extend the leases of running jobs and held slots."""
+        self.ctx.router.renew()
+        self.ctx.repo.extend_leases(
+            self.ctx.running_jobs(), self.ctx.name, self.ctx.settings.lease_seconds
+        )
+
+    def reconcile_if_leader(self) -> None:
+        """Run the reconciler when this worker holds (or wins) the Redis lock."""
+        s = self.ctx.settings
+        key, ttl_ms = keys.reconciler_lock(), int(s.reconcile_interval_s * 2000)
+        holder = self.ctx.redis.get(key)
+        if holder is not None and holder not in (self.ctx.name, self.ctx.name.encode()):
+            return
+        if not self.ctx.redis.set(key, self.ctx.name, px=ttl_ms, nx=holder is None):
+            return
+        report = reconcile(
+            self.ctx.repo,
+            self.ctx.redis,
+            self._publisher,
+            max_attempts=s.max_attempts,
+            republish_after_s=s.republish_after_s,
+        )
+        if report.expired_leases or report.republished:
+            log.warning("reconciler: %s", report.as_dict())

@@ -1,0 +1,83 @@
+"""`eaglegen worker`: place worker processes on NUMA nodes, start them, check their health."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from eaglegen import keys
+from eaglegen.settings import Settings
+from worker import numa
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(
+    settings: Settings, numa_spec: str | None, argv_rest: list[str], sysfs_root: Path = Path("/sys")
+) -> int:
+    """Start one pinned worker, or (``auto``, ``0,1``) one child process per NUMA node."""
+    from worker.app import start
+
+    if numa_spec is None:
+        start(settings)
+        return 0
+    topology = numa.read_topology(sysfs_root)
+    nodes = numa.resolve_nodes(numa_spec, topology)
+    if len(nodes) > 1:
+        # Service URLs go to the children by environment: argv is visible to every user.
+        env = {
+            "EAGLEGEN_DATABASE_URL": settings.database_url or "",
+            "EAGLEGEN_BROKER_URL": settings.broker_url or "",
+        }
+        return _supervise(nodes, argv_rest, env)
+    node = numa.find_node(topology, nodes[0])
+    servers = numa.servers_for_node(settings.servers, node.id)
+    pinned = numa.pin_to_node(node)
+    log.warning("worker pinned: %s; servers: %s", pinned, ", ".join(s.name for s in servers))
+    start(settings, servers=servers, info=pinned.as_dict())
+    return 0
+
+
+def _supervise(nodes: list[int], argv_rest: list[str], env: dict[str, str]) -> int:
+    """One `eaglegen worker --numa-node N` child per node; SIGTERM is passed on to all."""
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "eaglegen", "worker", "--numa-node", str(n), *argv_rest],
+            env={**os.environ, **env},
+        )
+        for n in nodes
+    ]
+
+    def forward(signum: int, _frame: Any) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [child.wait() for child in children]
+    return max(codes, default=0)
+
+
+def alive_workers(broker_url: str, host: str | None, max_age_s: float) -> list[dict[str, Any]]:
+    """Heartbeats of workers on ``host`` (all hosts when None) younger than ``max_age_s``."""
+    client = redis.Redis.from_url(broker_url, socket_connect_timeout=5)
+    try:
+        now = time.time()
+        beats = [
+            json.loads(raw)
+            for key in client.scan_iter(keys.heartbeat_pattern(host))
+            if (raw := client.get(key)) is not None
+        ]
+    finally:
+        client.close()
+    return [b for b in beats if now - float(b.get("ts", 0)) <= max_age_s]

@@ -1,0 +1,109 @@
+"""The SGLang servers a worker calls: health, free slots, and which one takes the next job."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from eaglegen.settings import ServerSpec
+from worker.sglang import SGLangClient
+from worker.slots import SlotPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Server:
+    """One attached server: its client, health and the slot leases this process holds."""
+
+    spec: ServerSpec
+    client: SGLangClient
+    limit: int
+    healthy: bool = True
+    reason: str = ""
+    held: set[str] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        """The server's name in settings, logs and generation rows."""
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A slot on a server, held for one request."""
+
+    server: Server
+    token: str
+
+
+class Router:
+    """Hands out slots on healthy servers, least busy first; routing is by pull."""
+
+    def __init__(self, servers: list[Server], slots: SlotPool, poll_s: float = 0.05) -> None:
+        self.servers = servers
+        self._slots = slots
+        self._poll_s = poll_s
+        self._lock = threading.Lock()
+
+    def any_healthy(self) -> bool:
+        """Whether at least one attached server is up."""
+        return any(s.healthy for s in self.servers)
+
+    def acquire(self, timeout_s: float) -> Lease | None:
+        """A slot on some healthy server, waiting up to ``timeout_s``; None if none came."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lease = self._try_once()
+            if lease is not None or not self.any_healthy() or time.monotonic() >= deadline:
+                return lease
+            time.sleep(self._poll_s)
+
+    def _try_once(self) -> Lease | None:
+        for server in sorted(self.servers, key=lambda s: len(s.held)):
+            if not server.healthy:
+                continue
+            token = self._slots.try_acquire(server.name, server.limit)
+            if token is not None:
+                with self._lock:
+                    server.held.add(token)
+                return Lease(server, token)
+        return None
+
+    def release(self, lease: Lease) -> None:
+        """Return the slot."""
+        with self._lock:
+            lease.server.held.discard(lease.token)
+        self._slots.release(lease.server.name, lease.token)
+
+    def renew(self) -> None:
+        """Keep this process's leases alive (called periodically)."""
+        for server in self.servers:
+            with self._lock:
+                tokens = list(server.held)
+            self._slots.renew(server.name, tokens)
+
+    def mark(self, server: Server, healthy: bool, reason: str = "") -> bool:
+        """Set a server's health; True when that changed it."""
+        changed = server.healthy != healthy
+        server.healthy, server.reason = healthy, reason
+        if changed and healthy:
+            log.warning("server %s is back up", server.name)
+        elif changed:
+            log.warning("server %s is down: %s; its jobs go to other workers", server.name, reason)
+        return changed
+
+
+def probe(server: Server, timeout_s: float) -> str | None:
+    """Check ``/health_generate``; None when healthy, else the reason."""
+    try:
+        response = server.client.get("/health_generate", timeout_s)
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if response.status_code != 200:
+        return f"/health_generate answered HTTP {response.status_code}"
+    return None
