@@ -21,6 +21,7 @@ class RunSpec:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_context_len: int | None = None
     package_versions: dict[str, str] = field(default_factory=dict)
+    think_end_id: int | None = None
 
 
 @dataclass(frozen=True)

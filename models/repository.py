@@ -63,6 +63,7 @@ class Repository(JobQueries, BudgetQueries, AuditQueries):
                     chat_template_kwargs=spec.chat_template_kwargs,
                     max_context_len=spec.max_context_len,
                     package_versions=spec.package_versions,
+                    think_end_id=spec.think_end_id,
                 )
                 .on_conflict_do_nothing(index_elements=[Run.name])
             )

@@ -117,6 +117,7 @@ def run_spec(plan: RunPlan, templater: Templater) -> RunSpec:
         chat_template_kwargs=plan.chat_template_kwargs,
         max_context_len=plan.max_context_len,
         package_versions=package_versions(),
+        think_end_id=templater.think_end_id(),
     )
 
 

@@ -11,6 +11,9 @@ from typing import Any
 
 from producer.rows import Prompt, RowError
 
+# The reasoning markers of Kimi-K2, DeepSeek-R1 and Qwen3 alike.
+THINK_START, THINK_END = "<think>", "</think>"
+
 # Files that define tokenization; weights and configs beside them are not hashed.
 _TOKENIZER_FILES = (
     "tokenizer",
@@ -103,6 +106,20 @@ class Templater:
             ]
         encoded = self.tokenizer(list(texts), add_special_tokens=False)
         return [list(ids) for ids in encoded["input_ids"]]
+
+    def think_end_id(self) -> int | None:
+        """The think-end id when the generation prompt opens a think block, else None.
+
+        Such a model never generates the think-start token (it is the prompt's last token)
+        and must emit think-end before its answer; workers record whether it did.
+        """
+        probe = Prompt(messages=[{"role": "user", "content": "hi"}])
+        ids = self.encode_batch([self.render(probe)])[0]
+        tokens = self.tokenizer.convert_ids_to_tokens(ids[-1:])
+        if not tokens or tokens[0] != THINK_START:
+            return None
+        end = self.tokenizer.convert_tokens_to_ids(THINK_END)
+        return int(end) if isinstance(end, int) and end != self.tokenizer.unk_token_id else None
 
     def stop_token_ids(self) -> list[int]:
         """The model's end-of-turn ids: generation_config.json's eos, else the tokenizer's."""

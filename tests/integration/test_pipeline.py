@@ -70,6 +70,24 @@ def test_every_job_is_done_once_with_the_servers_exact_output(
         assert gen["prompt_tokens"] == len(job["input_ids"])
         assert gen["server"] == "sim"
         assert job["attempts"] == 1
+        # The template opens <think>: every generation says whether it closed it.
+        assert gen["reasoning_tokens"] + gen["answer_tokens"] == gen["completion_tokens"]
+        if gen["finish_type"] == "stop":
+            assert gen["think_end_present"] is True
+
+
+def test_without_a_think_block_no_reasoning_split_is_recorded(
+    settings: Settings, repo: Repository, running_worker: None, tmp_path: Path
+) -> None:
+    enqueue_file(
+        settings,
+        write_jsonl(tmp_path / "d.jsonl", sample_rows(3)),
+        chat_template_kwargs={"thinking": False},
+    )
+    assert wait_settled(repo)["done"] == 3
+    for job_id in repo.job_ids():
+        gen = repo.generation(job_id)
+        assert gen is not None and gen["think_end_present"] is None
 
 
 def test_a_prompt_too_long_for_the_context_fails_with_the_servers_message(
