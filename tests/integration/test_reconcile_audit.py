@@ -1,0 +1,97 @@
+"""Slots in Redis, the reconciler and the audit against real services."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from eaglegen.queue import BulkPublisher
+from eaglegen.settings import Settings
+from models.db import make_engine
+from models.records import GenerationRecord
+from models.repository import Repository
+from tests.helpers import enqueue_file, sample_rows, write_jsonl
+from worker.reconcile import job_ids_in_queue, reconcile
+from worker.slots import SlotPool
+
+
+@pytest.fixture
+def repo(settings: Settings) -> Iterator[Repository]:
+    assert settings.database_url is not None
+    engine = make_engine(settings.database_url)
+    yield Repository(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def client(broker_url: str) -> Iterator[redis.Redis]:
+    conn = redis.Redis.from_url(broker_url)
+    yield conn
+    conn.close()
+
+
+def test_slots_hold_the_limit_and_lapse_when_not_renewed(client: redis.Redis) -> None:
+    pool = SlotPool(client, lease_seconds=0.5)
+    tokens = [pool.try_acquire("s", limit=3) for _ in range(5)]
+    assert sum(t is not None for t in tokens) == 3
+    assert pool.in_flight("s") == 3
+    pool.release("s", next(t for t in tokens if t is not None))
+    assert pool.try_acquire("s", limit=3) is not None
+    time.sleep(0.6)  # nobody renewed: a dead worker's slots come back by themselves
+    assert pool.in_flight("s") == 0
+    assert pool.try_acquire("s", limit=3) is not None
+
+
+def test_reconciler_republishes_what_redis_lost(
+    settings: Settings, repo: Repository, client: redis.Redis, tmp_path: Path
+) -> None:
+    enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(30)))
+    ids = repo.job_ids()
+    assert job_ids_in_queue(client, settings.queue) == set(ids)
+    publisher = BulkPublisher(settings.broker_url or "", settings.queue)
+    quiet = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
+    assert quiet.republished == 0  # nothing missing: no duplicate messages
+    client.flushdb()  # Redis restarted empty
+    report = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
+    publisher.close()
+    assert (report.republished, report.expired_leases) == (30, 0)
+    assert job_ids_in_queue(client, settings.queue) == set(ids)
+
+
+def test_reconciler_requeues_jobs_of_dead_workers(
+    settings: Settings, repo: Repository, client: redis.Redis, tmp_path: Path
+) -> None:
+    enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(3)))
+    client.flushdb()
+    first = repo.job_ids()[0]
+    assert repo.claim(first, "dead", lease_seconds=1).job is not None
+    time.sleep(1.2)
+    publisher = BulkPublisher(settings.broker_url or "", settings.queue)
+    report = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
+    publisher.close()
+    assert report.expired_leases == 1
+    assert job_ids_in_queue(client, settings.queue) == set(repo.job_ids())
+
+
+def test_audit_passes_on_a_clean_run_and_names_a_broken_ledger(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(2)))
+    first, second = repo.job_ids()
+    repo.claim(first, "w", 60)
+    repo.record(first, "w", GenerationRecord([1, 2], "length", 2, 10, 2, 0, 0.1, "sim"))
+    repo.claim(second, "w", lease_seconds=1)
+    assert repo.audit(lease_grace_s=60) == []
+    time.sleep(1.2)
+    assert any("expired" in p for p in repo.audit(lease_grace_s=0))
+    assert settings.database_url is not None
+    url = settings.database_url.replace("postgresql+psycopg", "postgresql")
+    with psycopg.connect(url, autocommit=True) as conn:  # corrupt the ledger on purpose
+        conn.execute("UPDATE datasets SET used_tokens = used_tokens + 5")
+    problems = repo.audit(lease_grace_s=60)
+    assert any("used_tokens 7 != 2 recorded" in p for p in problems), problems
