@@ -36,6 +36,9 @@ class Background:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._publisher = BulkPublisher(ctx.settings.broker_url or "", ctx.settings.queue)
+        self._consuming_lock = threading.Lock()
+        # A request that finds its server gone pauses consumption at once, not a loop later.
+        ctx.router.on_change.append(lambda: self._set_consuming(ctx.router.any_healthy()))
 
     def start(self) -> None:
         """Start every loop (the heartbeat first, so `worker --check` sees us at once)."""
@@ -105,8 +108,11 @@ class Background:
         self._set_consuming(self.ctx.router.any_healthy())
 
     def _set_consuming(self, consume: bool) -> None:
-        if consume == self.consuming:
-            return
+        with self._consuming_lock:
+            if consume != self.consuming:
+                self._switch_consumer(consume)
+
+    def _switch_consumer(self, consume: bool) -> None:
         queue = self.ctx.settings.queue
         # Control messages go through the broker to this worker's own consumer thread.
         if consume:

@@ -113,7 +113,9 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
         return Result(Outcome.NO_SLOT)
     lease = ctx.router.acquire(ctx.settings.slot_wait_s)
     if lease is None:
-        return Result(Outcome.NO_SLOT)
+        # Servers full: another worker may take it now. All down: not before the next probe.
+        down = not ctx.router.any_healthy()
+        return Result(Outcome.NO_SLOT, ctx.settings.health_interval_s if down else 0.0)
     try:
         return _claimed_attempt(ctx, job_id, lease)
     finally:

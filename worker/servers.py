@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -49,6 +50,8 @@ class Router:
         self._slots = slots
         self._poll_s = poll_s
         self._lock = threading.Lock()
+        # Called after any server changes health (the worker pauses or resumes consuming).
+        self.on_change: list[Callable[[], None]] = []
 
     def any_healthy(self) -> bool:
         """Whether at least one attached server is up."""
