@@ -31,7 +31,7 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document 
 
 def fail(message: str) -> NoReturn:
     """Print an error naming what went wrong and exit 2."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 

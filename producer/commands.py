@@ -18,9 +18,18 @@ from producer.template import Templater
 
 
 def run_enqueue(
-    settings: Settings, plan: RunPlan, *, dry_run: bool = False, quiet: bool = False
+    settings: Settings,
+    plan: RunPlan,
+    *,
+    dry_run: bool = False,
+    quiet: bool = False,
+    workers: int | None = None,
 ) -> RunReport:
-    """Enqueue (or dry-run) a plan with a progress line per dataset on stderr."""
+    """Enqueue (or dry-run) a plan with a progress line per dataset on stderr.
+
+    ``workers``: processes that template batches; 0 keeps it all in this process, None
+    (the default) uses every core once an input is long enough to repay their start-up.
+    """
     templater = Templater(
         plan.tokenizer,
         trust_remote_code=plan.trust_remote_code,
@@ -31,7 +40,7 @@ def run_enqueue(
             plan,
             quiet,
             lambda progress: enqueue_run(
-                plan, templater, repo=None, publisher=None, progress=progress
+                plan, templater, repo=None, publisher=None, progress=progress, workers=workers
             ),
         )
     assert settings.database_url is not None and settings.broker_url is not None
@@ -42,7 +51,12 @@ def run_enqueue(
             plan,
             quiet,
             lambda progress: enqueue_run(
-                plan, templater, repo=Repository(engine), publisher=publisher, progress=progress
+                plan,
+                templater,
+                repo=Repository(engine),
+                publisher=publisher,
+                progress=progress,
+                workers=workers,
             ),
         )
     finally:

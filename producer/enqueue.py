@@ -6,23 +6,26 @@ a `rejected_rows` entry and the run goes on.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import importlib.metadata
-import json
 import random
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Protocol
 
 from eaglegen.queue import BulkPublisher
-from models.records import DatasetSpec, NewJob, Rejection, RunSpec
+from models.records import DatasetSpec, NewJob, RunSpec
 from models.repository import Repository
+from producer.parallel import Preparer, default_workers
 from producer.plan import DatasetPlan, RunPlan
+from producer.prepare import Prepared
 from producer.readers import detect_format, iter_rows
-from producer.rows import Prompt, RawRow, RowError, to_prompt
+from producer.rows import RawRow
 from producer.stats import DatasetStats, totals
 from producer.template import Templater
 
@@ -32,14 +35,6 @@ WRITES_IN_FLIGHT = 2
 VERSIONED_PACKAGES = ("eaglegen", "transformers", "tokenizers", "jinja2")
 
 Progress = Callable[[str, int], None]
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A batch after validation and templating."""
-
-    jobs: list[NewJob]
-    rejections: list[Rejection]
 
 
 class Sink(Protocol):
@@ -128,11 +123,14 @@ def enqueue_run(
     repo: Repository | None,
     publisher: BulkPublisher | None,
     progress: Progress | None = None,
+    workers: int | None = None,
 ) -> RunReport:
     """Enqueue every dataset of ``plan``; with no repository it is a dry run.
 
     Inputs are checked and the run and its datasets are created (or checked against what
     exists) before the first job is written, so a refusal leaves no partial dataset.
+    ``workers`` processes prepare batches (0: all in this process); None picks one per core,
+    started only once an input proves long enough to repay their start-up.
     """
     for dataset in plan.datasets:
         detect_format(dataset.path, dataset.fmt)
@@ -140,16 +138,39 @@ def enqueue_run(
     params = {d.name: plan.sampling_params(d, stop_ids) for d in plan.datasets}
     sinks = _sinks(plan, templater, params, repo, publisher)
     report = RunReport(run=plan.run, dry_run=repo is None, datasets=[])
-    for dataset in plan.datasets:
-        stats = DatasetStats(
-            dataset.name,
-            int(params[dataset.name]["max_new_tokens"]),
-            dataset.budget_tokens,
-            dataset.budget_basis,
-        )
-        enqueue_dataset(templater, plan, dataset, sinks[dataset.name], stats, progress)
-        report.datasets.append(stats)
+    preparer = (
+        Preparer(templater, default_workers(), auto=True)
+        if workers is None
+        else Preparer(templater, workers)
+    )
+    with _frozen_heap(), preparer:
+        for dataset in plan.datasets:
+            stats = DatasetStats(
+                dataset.name,
+                int(params[dataset.name]["max_new_tokens"]),
+                dataset.budget_tokens,
+                dataset.budget_basis,
+            )
+            enqueue_dataset(preparer, plan, dataset, sinks[dataset.name], stats, progress)
+            report.datasets.append(stats)
     return report
+
+
+@contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """Keep the objects alive now (transformers, the tokenizer) out of full collections.
+
+    Templating makes cyclic garbage (jinja contexts), so the collector runs often, and each
+    full pass walked every object transformers created: a sixth of the run's CPU.
+    """
+    if gc.get_freeze_count():  # someone else froze the heap and will unfreeze it
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _sinks(
@@ -179,109 +200,66 @@ def _sinks(
 
 
 def enqueue_dataset(
-    templater: Templater,
+    preparer: Preparer,
     plan: RunPlan,
     dataset: DatasetPlan,
     sink: Sink,
     stats: DatasetStats,
     progress: Progress | None = None,
 ) -> None:
-    """Stream one dataset's rows through validation, templating and the sink.
+    """Stream one dataset's rows through validation, templating and the sink, in order.
 
-    Writing (Postgres insert, Redis publish) runs on one background thread, in order, while
-    the next batch is templated: both wait on I/O or Rust code that releases the GIL.
+    Batches are prepared ahead (in worker processes when the preparer has them); writing
+    (Postgres insert, Redis publish) runs on one background thread, in order, meanwhile.
     """
     rows = select_rows(iter_rows(dataset.path, dataset.fmt), dataset.limit, dataset.sample_seed)
-    pending: deque[tuple[list[RawRow], Prepared, Future[int]]] = deque()
+    preparing: deque[tuple[int, Future[Prepared]]] = deque()
+    writing: deque[tuple[int, Prepared, Future[int]]] = deque()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="enqueue-writer") as writer:
+
+        def write_oldest() -> None:
+            size, prepared = preparing.popleft()
+            done = prepared.result()  # re-raises a failed batch here
+            writing.append((size, done, writer.submit(sink.write, done)))
+            while len(writing) > WRITES_IN_FLIGHT:
+                _account(stats, *writing.popleft(), dataset.name, progress)
+
         for batch in batches(rows, BATCH_ROWS):
-            prepared = prepare(templater, batch, plan.max_context_len, stats.max_new_tokens)
-            pending.append((batch, prepared, writer.submit(sink.write, prepared)))
-            while len(pending) > WRITES_IN_FLIGHT:
-                _account(stats, *pending.popleft(), dataset.name, progress)
-        while pending:
-            _account(stats, *pending.popleft(), dataset.name, progress)
+            future = preparer.submit(batch, plan.max_context_len, stats.max_new_tokens)
+            preparing.append((len(batch), future))
+            while len(preparing) > preparer.ahead:
+                write_oldest()
+        while preparing:
+            write_oldest()
+        while writing:
+            _account(stats, *writing.popleft(), dataset.name, progress)
 
 
 def _account(
     stats: DatasetStats,
-    batch: list[RawRow],
+    rows: int,
     prepared: Prepared,
     written: Future[int],
     dataset: str,
     progress: Progress | None,
 ) -> None:
     new = written.result()  # re-raises a failed write here, in the caller's thread
-    stats.rows += len(batch)
+    stats.rows += rows
     stats.accepted += new
-    stats.duplicates += len(batch) - len(prepared.rejections) - new
+    stats.duplicates += rows - len(prepared.rejections) - new
     stats.rejected_by_reason.update(r.reason for r in prepared.rejections)
     stats.prompt_lengths.extend(len(job.input_ids) for job in prepared.jobs)
     # Prompt tokens of new jobs only matter for the 'total' basis; when some were
     # duplicates, count the batch's share.
     stats.accepted_prompt_tokens += _new_share(prepared.jobs, new)
     if progress is not None:
-        progress(dataset, len(batch))
-
-
-def prepare(
-    templater: Templater, batch: list[RawRow], max_context_len: int | None, max_new_tokens: int
-) -> Prepared:
-    """Validate, render and tokenize a batch; every bad row becomes a Rejection."""
-    rejections: list[Rejection] = []
-    valid: list[tuple[RawRow, Prompt]] = []
-    for raw in batch:
-        try:
-            if raw.error is not None:
-                raise raw.error
-            valid.append((raw, to_prompt(raw.value)))
-        except RowError as err:
-            rejections.append(Rejection(raw.index, err.reason, excerpt(raw, err)))
-    rendered: list[tuple[RawRow, Prompt, str]] = []
-    for (raw, prompt), text in zip(
-        valid, templater.render_many([p for _, p in valid]), strict=True
-    ):
-        if isinstance(text, RowError):
-            rejections.append(Rejection(raw.index, text.reason, excerpt(raw, text)))
-        else:
-            rendered.append((raw, prompt, text))
-    jobs: dict[str, NewJob] = {}
-    encoded = templater.encode_batch([text for _, _, text in rendered])
-    for (raw, prompt, _), input_ids in zip(rendered, encoded, strict=True):
-        too_long = _too_long(len(input_ids), max_context_len, max_new_tokens)
-        if too_long is not None:
-            rejections.append(Rejection(raw.index, too_long.reason, excerpt(raw, too_long)))
-            continue
-        job = NewJob(raw.index, input_ids, _messages(prompt))
-        # A prompt repeated inside one batch is one job; the database dedups across batches.
-        jobs.setdefault(job.prompt_sha256, job)
-    return Prepared(list(jobs.values()), rejections)
-
-
-def _too_long(prompt_tokens: int, max_context_len: int | None, max_new: int) -> RowError | None:
-    if max_context_len is None or prompt_tokens + max_new <= max_context_len:
-        return None
-    return RowError(
-        "too_long",
-        f"{prompt_tokens} prompt tokens + max_new_tokens {max_new} "
-        f"exceed the context length {max_context_len}",
-    )
+        progress(dataset, rows)
 
 
 def _new_share(jobs: list[NewJob], new: int) -> int:
     if not jobs:
         return 0
     return round(sum(len(j.input_ids) for j in jobs) * new / len(jobs))
-
-
-def _messages(prompt: Prompt) -> dict[str, Any]:
-    return {"messages": prompt.messages, "tools": prompt.tools}
-
-
-def excerpt(raw: RawRow, err: RowError) -> str:
-    """The reason's detail and the start of the row, for `rejected_rows`."""
-    source = raw.excerpt or json.dumps(raw.value, ensure_ascii=False, default=str)
-    return f"{err.detail} | {source[:300]}"
 
 
 def select_rows(rows: Iterable[RawRow], limit: int | None, seed: int | None) -> Iterator[RawRow]:

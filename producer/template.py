@@ -41,6 +41,7 @@ class Templater:
         from transformers import AutoTokenizer  # heavy: import only where templating happens
 
         self.path = tokenizer_path
+        self.trust_remote_code = trust_remote_code
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(tokenizer_path), trust_remote_code=trust_remote_code, local_files_only=True
         )
@@ -49,6 +50,11 @@ class Templater:
         self.template_kwargs = dict(template_kwargs or {})
         # Slow (pure-Python or remote-code) tokenizers have no Rust backend.
         self._backend: Any = getattr(self.tokenizer, "backend_tokenizer", None)
+
+    @property
+    def is_fast(self) -> bool:
+        """Whether the Rust tokenizer encodes: it releases the GIL while it works."""
+        return self._backend is not None
 
     def render(self, prompt: Prompt) -> str:
         """The prompt text the template produces, ending with the generation prompt."""

@@ -1,0 +1,382 @@
+"""Worker throughput benchmark (issue 4).
+
+One `eaglegen worker` process (threads pool) against one `eaglegen sim` process, compared in
+the same run with a bare asyncio httpx client sending the same input_ids with the same
+sampling params at the same concurrency to the same simulator. Rounds alternate bare,
+pipeline, bare, pipeline (--rounds 2); medians are reported.
+
+tok/s = completion tokens / wall time from the first to the last finished request (pipeline:
+generations.created_at in Postgres; bare: response times). The simulator's output is
+deterministic per prompt, so both sides generate the same tokens. Peak in flight = the
+largest num_running_reqs + num_queue_reqs seen on the simulator's /metrics every 0.2 s.
+
+Usage: python -m bench.worker_throughput [--jobs 3000] [--concurrency 600]
+Services: --database-url/--broker-url (default: this machine's Postgres and Redis; a scratch
+database eaglegen_bench_worker and Redis db 10, flushed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import text
+
+from bench.common import scratch_database, scratch_redis, write_short_prompts
+from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.settings import Settings
+from eaglegen.sim.metrics import parse
+from models.db import make_engine
+from models.repository import Repository
+from producer.commands import run_enqueue
+from producer.plan import DatasetPlan, RunPlan
+from worker.commands import alive_workers
+
+PG = "postgresql://postgres@127.0.0.1:5432/postgres"
+REDIS = "redis://127.0.0.1:6379/0"
+DATABASE = "eaglegen_bench_worker"
+REDIS_DB = 10
+QUEUE = "bench-worker"
+_GENERATED = text("""
+SELECT count(*), coalesce(sum(g.completion_tokens), 0),
+       extract(epoch FROM min(g.created_at)), extract(epoch FROM max(g.created_at))
+FROM generations g JOIN jobs j ON j.id = g.job_id
+JOIN datasets d ON d.id = j.dataset_id JOIN runs r ON r.id = d.run_id
+WHERE r.name = :run
+""")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One round: requests finished, tokens, first-to-last seconds, span and peak in flight."""
+
+    kind: str
+    requests: int
+    tokens: int
+    seconds: float  # first to last finished request
+    span_s: float  # from the start of the round to the last finished request
+    peak_in_flight: int
+    cpu_s: dict[str, float]
+
+    @property
+    def tok_s(self) -> float:
+        """Completion tokens per second, first to last finished request."""
+        return self.tokens / self.seconds
+
+    def line(self) -> str:
+        """A one-line summary."""
+        cpu = ", ".join(f"{k} {v:.1f}" for k, v in self.cpu_s.items())
+        cores = os.cpu_count() or 1
+        return (
+            f"{self.kind:8} {self.requests:,} requests, {self.tokens:,} tokens, "
+            f"{self.tok_s:,.0f} tok/s ({self.seconds:.2f} s first->last, "
+            f"{self.tokens / self.span_s:,.0f} tok/s over {self.span_s:.2f} s from start), "
+            f"peak in flight {self.peak_in_flight}; cpu s: {cpu} "
+            f"(machine {self.cpu_s.get('machine', 0) / self.span_s / cores:.0%} of {cores} cores)"
+        )
+
+
+class InFlightSampler:
+    """Samples the simulator's running + waiting requests every 0.2 s on a thread."""
+
+    def __init__(self, sim_url: str, interval_s: float = 0.2) -> None:
+        self.peak = 0
+        self._url = f"{sim_url}/metrics"
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> InFlightSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.wait(self._interval):
+                self.peak = max(self.peak, in_flight(client.get(self._url).text))
+
+
+def in_flight(metrics: str) -> int:
+    """Running plus waiting requests in a /metrics text (whatever the labels)."""
+    names = ("sglang:num_running_reqs{", "sglang:num_queue_reqs{")
+    return int(sum(v for k, v in parse(metrics).items() if k.startswith(names)))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent busy so far (Linux /proc/stat; 0 elsewhere)."""
+    try:
+        fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def sim_process(
+    args: argparse.Namespace, log: Path
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`eaglegen sim` on a free port, logging to ``log``; (process, url) once it listens."""
+    command = [
+        *(sys.executable, "-m", "eaglegen", "sim", "--port", "0"),
+        *("--kv-tokens", str(args.kv_tokens), "--max-running-requests", "4096"),
+        *("--decode-step-ms", str(args.decode_step_ms)),
+        *("--decode-ms-per-request", str(args.decode_ms_per_request)),
+    ]
+    env = {**os.environ, "COLUMNS": "200"}  # one line per message in the log
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            yield process, _announced_url(process, log)
+        finally:
+            _stop(process)
+
+
+def _announced_url(process: subprocess.Popen[bytes], log: Path) -> str:
+    """The URL from the simulator's "listening on" line."""
+    deadline = time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if "listening on" in line:
+                return line.rsplit(" ", 1)[1].strip()
+        time.sleep(0.1)
+    raise RuntimeError(f"simulator did not start: {log.read_text()[-2000:]}")
+
+
+@contextmanager
+def worker_process(
+    settings: Settings, sim_url: str, concurrency: int, log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`eaglegen worker --concurrency N` with an in-flight limit of N on the simulator."""
+    assert settings.database_url and settings.broker_url
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
+    env |= {
+        "EAGLEGEN_DATABASE_URL": settings.database_url,
+        "EAGLEGEN_BROKER_URL": settings.broker_url,
+        "EAGLEGEN_QUEUE": settings.queue,
+        "EAGLEGEN_SERVERS": json.dumps([{"name": "sim", "url": sim_url}]),
+        "EAGLEGEN_SERVER_MAX_INFLIGHT": str(concurrency),
+        "EAGLEGEN_DATA_DIR": str(log.parent),
+    }
+    command = [sys.executable, "-m", "eaglegen", "worker", "--concurrency", str(concurrency)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait_heartbeat(settings.broker_url, process)
+            yield process
+        finally:
+            _stop(process)
+
+
+def _wait_heartbeat(broker_url: str, process: subprocess.Popen[bytes]) -> None:
+    """Block until the worker process has written its heartbeat."""
+    deadline = time.monotonic() + 60
+    while not any(b["pid"] == process.pid for b in alive_workers(broker_url, None, 30)):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("worker did not start; see its log")
+        time.sleep(0.1)
+
+
+def _stop(process: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def enqueue(settings: Settings, path: Path, run: str, max_new_tokens: int) -> None:
+    """Enqueue every prompt of ``path`` as run ``run``."""
+    plan = RunPlan(
+        run=run,
+        tokenizer=TOKENIZER_DIR,
+        datasets=[DatasetPlan("d", path, sampling={"max_new_tokens": max_new_tokens})],
+    )
+    run_enqueue(settings, plan, quiet=True)
+
+
+def take_prompts(repo: Repository) -> tuple[list[list[int]], dict[str, Any]]:
+    """The input_ids of every job (of the one run enqueued so far) and their sampling params,
+    then that run deleted, so that no reconciler ever publishes it to the worker."""
+    rows = [row for job_id in repo.job_ids() if (row := repo.job(job_id)) is not None]
+    params = repo.sampling_params(rows[0]["dataset_id"])
+    with repo.engine.begin() as conn:
+        conn.execute(text("DELETE FROM runs"))
+    return [row["input_ids"] for row in rows], params
+
+
+def pipeline_round(
+    settings: Settings, repo: Repository, path: Path, run: str, args: argparse.Namespace
+) -> tuple[int, int, float]:
+    """Enqueue ``path`` as a new run and wait until all of it is done; (n, tokens, seconds)."""
+    enqueue(settings, path, run, args.max_new_tokens)
+    while True:
+        [counts] = repo.counts(run)
+        if counts.states["queued"] + counts.states["running"] == 0:
+            break
+        time.sleep(0.2)
+    with repo.engine.connect() as conn:
+        n, tokens, first, last = conn.execute(_GENERATED, {"run": run}).one()
+    assert n == args.jobs, f"{run}: {n} of {args.jobs} generations ({counts.states})"
+    return int(n), int(tokens), float(last) - float(first)
+
+
+async def bare_round(
+    url: str, inputs: list[list[int]], params: dict[str, Any], concurrency: int
+) -> tuple[int, int, float]:
+    """Send every prompt with at most ``concurrency`` in flight; (n, tokens, seconds)."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    pending = list(enumerate(inputs))
+    done: list[tuple[float, int]] = []
+    errors: list[str] = []
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=3600) as client:
+
+        async def lane() -> None:
+            while pending:
+                i, ids = pending.pop()
+                body = {"input_ids": ids, "sampling_params": params, "rid": f"bare-{i}"}
+                tokens = await _generate(client, body, errors)
+                done.append((time.time(), tokens))
+
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+    if errors:
+        print(f"bare client: {len(errors)} transport error(s) retried: {errors[:3]}", flush=True)
+    times = [t for t, _ in done]
+    return len(done), sum(n for _, n in done), max(times) - min(times)
+
+
+async def _generate(client: httpx.AsyncClient, body: dict[str, Any], errors: list[str]) -> int:
+    """POST /generate, again at once after a transport error (a keep-alive race); tokens."""
+    while True:
+        try:
+            response = await client.post("/generate", json=body)
+        except httpx.TransportError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        response.raise_for_status()
+        return int(response.json()["meta_info"]["completion_tokens"])
+
+
+def measure(kind: str, run: Any, sim_url: str, pids: dict[str, int]) -> Measurement:
+    """Run one round with the in-flight sampler and CPU accounting around it."""
+    requests = httpx.post(f"{sim_url}/flush_cache", timeout=10)  # cold prefix cache each round
+    requests.raise_for_status()
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    cpu_before["machine"] = machine_busy_s()
+    start = time.time()
+    with InFlightSampler(sim_url) as sampler:
+        n, tokens, seconds = run()
+    span = time.time() - start
+    cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+    cpu["machine"] = machine_busy_s() - cpu_before["machine"]
+    return Measurement(kind, n, tokens, seconds, span, sampler.peak, cpu)
+
+
+def benchmark(args: argparse.Namespace) -> list[Measurement]:
+    """Start the simulator and the worker, then alternate bare and pipeline rounds."""
+    database = scratch_database(args.database_url, DATABASE)
+    settings = Settings(
+        database_url=database, broker_url=scratch_redis(args.broker_url, REDIS_DB), queue=QUEUE
+    )
+    repo = Repository(make_engine(database, pool_size=2))
+    results: list[Measurement] = []
+    logs = Path(tempfile.mkdtemp(prefix="eaglegen-bench-worker-"))
+    print(f"logs in {logs}", flush=True)
+    with sim_process(args, logs / "sim.log") as (sim, url):
+        path = write_short_prompts(logs / "prompts.jsonl", args.jobs)
+        # The bare client's prompts: the same file through the same producer, never consumed.
+        enqueue(settings.model_copy(update={"queue": "bench-unconsumed"}), path, "ids", 1)
+        inputs, params = take_prompts(repo)
+        params["max_new_tokens"] = args.max_new_tokens
+        with worker_process(settings, url, args.concurrency, logs / "worker.log") as worker:
+            pids = {"worker": worker.pid, "sim": sim.pid, "bench": os.getpid()}
+            for i in range(args.rounds):
+                bare = measure(
+                    "bare",
+                    lambda: asyncio.run(bare_round(url, inputs, params, args.concurrency)),
+                    url,
+                    pids,
+                )
+                print(bare.line(), flush=True)
+                pipe = measure(
+                    "pipeline",
+                    lambda i=i: pipeline_round(settings, repo, path, f"pipeline-{i}", args),
+                    url,
+                    pids,
+                )
+                print(pipe.line(), flush=True)
+                results += [bare, pipe]
+    repo.engine.dispose()
+    return results
+
+
+def report(results: list[Measurement]) -> None:
+    """Medians of each side and the ratio pipeline/bare."""
+    medians = {}
+    for kind in ("bare", "pipeline"):
+        rounds = [m for m in results if m.kind == kind]
+        medians[kind] = statistics.median(m.tok_s for m in rounds)
+        peak = max(m.peak_in_flight for m in rounds)
+        print(f"{kind:8} median {medians[kind]:,.0f} tok/s, peak in flight {peak}")
+    same = sorted({m.tokens for m in results})
+    print(f"tokens per round: {same} ({'identical' if len(same) == 1 else 'DIFFERENT'})")
+    print(f"ratio pipeline/bare = {medians['pipeline'] / medians['bare']:.3f} (goal >= 0.97)")
+
+
+def main() -> None:
+    """CLI entry point."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--jobs", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=600)
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--rounds", type=int, default=2, help="bare+pipeline pairs")
+    parser.add_argument("--kv-tokens", type=int, default=2_000_000)
+    parser.add_argument("--decode-step-ms", type=float, default=10.0)
+    parser.add_argument("--decode-ms-per-request", type=float, default=0.05)
+    parser.add_argument("--database-url", default=PG)
+    parser.add_argument("--broker-url", default=REDIS)
+    args = parser.parse_args()
+    print(
+        f"{args.jobs:,} jobs, concurrency {args.concurrency}, max_new_tokens "
+        f"{args.max_new_tokens}, decode {args.decode_step_ms} ms + "
+        f"{args.decode_ms_per_request} ms/request",
+        flush=True,
+    )
+    report(benchmark(args))
+
+
+if __name__ == "__main__":
+    main()

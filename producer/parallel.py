@@ -1,0 +1,169 @@
+"""Where batches are prepared: in this process, or in worker processes on every core.
+
+Rendering the chat template (jinja) and building jobs is Python work that holds the GIL, so
+threads cannot spread it over cores; worker processes can. Each worker builds its own
+Templater once, from the same tokenizer files and template kwargs as this process, and runs
+the same `prepare`, so jobs and rejections are the same wherever a batch went. Results come
+back as futures that the caller consumes in submission order.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing.context import BaseContext
+from pathlib import Path
+from typing import Any
+
+from producer.prepare import Prepared, prepare, render, tokenize
+from producer.rows import RawRow, RowError
+from producer.template import Templater
+
+# Starting the pool costs about a second of CPU per worker (importing transformers), repaid
+# only by long inputs: without an explicit worker count the pool starts after this many rows.
+AUTO_START_ROWS = 32_768
+# Imported once by the fork server, so each worker forked from it starts in milliseconds.
+_PRELOAD = ("producer.parallel", "transformers.models.auto.tokenization_auto")
+
+# This process's Templater when it is a pool worker (set by the pool initializer).
+_worker_templater: Templater | None = None
+
+
+def default_workers() -> int:
+    """Worker processes for this machine: one per usable core, none on a single core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores if cores is not None and cores > 1 else 0
+
+
+class Preparer:
+    """Prepares batches here (``workers=0``) or in a pool of ``workers`` processes.
+
+    Here, a batch is rendered in the caller's thread and tokenized on a helper thread (the
+    Rust tokenizer releases the GIL), so the next batch renders meanwhile; in the pool, each
+    worker does both. With ``auto``, the pool starts only once AUTO_START_ROWS rows were seen,
+    and batches are prepared here until a worker has loaded its tokenizer, so short inputs
+    never pay for the pool and long ones overlap its start-up with work.
+    """
+
+    def __init__(self, templater: Templater, workers: int = 0, *, auto: bool = False) -> None:
+        self.templater = templater
+        self.workers = workers
+        self.auto = auto
+        self._rows = 0
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="enqueue-tokenize")
+        self._pool: ProcessPoolExecutor | None = None
+        self._ready: list[Future[None]] = []
+
+    @property
+    def ahead(self) -> int:
+        """Batches to submit before waiting for the oldest: two per worker, else one."""
+        if self._pool is not None:
+            return 2 * self.workers
+        return 1 if self.templater.is_fast else 0
+
+    def submit(
+        self, batch: list[RawRow], max_context_len: int | None, max_new_tokens: int
+    ) -> Future[Prepared]:
+        """Start preparing ``batch``; the future holds its jobs and rejections."""
+        self._rows += len(batch)
+        long_enough = not self.auto or self._rows > AUTO_START_ROWS
+        if self._pool is None and self.workers > 0 and long_enough:
+            self._start_pool()
+        if self._pool is not None and (not self.auto or any(r.done() for r in self._ready)):
+            wire = [_to_wire(raw) for raw in batch]
+            return self._pool.submit(_prepare_batch, wire, max_context_len, max_new_tokens)
+        if not self.templater.is_fast:  # a Python tokenizer holds the GIL: nothing to overlap
+            done: Future[Prepared] = Future()
+            done.set_result(prepare(self.templater, batch, max_context_len, max_new_tokens))
+            return done
+        rendered = render(self.templater, batch)
+        return self._tokenizing.submit(
+            tokenize, self.templater, rendered, max_context_len, max_new_tokens
+        )
+
+    def close(self) -> None:
+        """Stop the helpers; batches not yet started are dropped (the caller is done)."""
+        self._tokenizing.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> Preparer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start_pool(self) -> None:
+        templater = self.templater
+        self._pool = ProcessPoolExecutor(
+            self.workers,
+            mp_context=_context(),
+            initializer=_start_worker,
+            initargs=(templater.path, templater.trust_remote_code, templater.template_kwargs),
+        )
+        if self.auto:  # one no-op task per worker: once one is done, a worker is ready
+            self._ready = [self._pool.submit(_ready) for _ in range(self.workers)]
+
+
+def _context() -> BaseContext:
+    """A fork server where there is one, else spawn.
+
+    Workers never fork from this process, which has threads (the writer, the tokenizer's)
+    that a fork would copy mid-flight.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(_PRELOAD))  # no effect once the server runs
+    return context
+
+
+def _start_worker(path: Path, trust_remote_code: bool, template_kwargs: dict[str, Any]) -> None:
+    """Pool initializer: build this worker's Templater once."""
+    global _worker_templater
+    # Ctrl-C reaches the whole process group; the main process decides and shuts the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # One tokenizer thread per worker: the workers already fill the cores, and idle threads
+    # of the tokenizer's own pool would spin on them.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_templater = Templater(
+        path, trust_remote_code=trust_remote_code, template_kwargs=template_kwargs
+    )
+    # The worker's long-lived objects (transformers, the tokenizer) leave the collector's
+    # full passes, which templating's cyclic garbage otherwise triggers again and again.
+    gc.freeze()
+
+
+def _ready() -> None:
+    """A no-op task: done once some worker has run its initializer."""
+
+
+def _prepare_batch(
+    batch: list[_WireRow], max_context_len: int | None, max_new_tokens: int
+) -> Prepared:
+    """Pool task: prepare one batch with this worker's Templater."""
+    assert _worker_templater is not None, "the pool initializer did not run"
+    rows = [_from_wire(row) for row in batch]
+    return prepare(_worker_templater, rows, max_context_len, max_new_tokens)
+
+
+# A RawRow as sent to a worker: RowError's constructor takes (reason, detail), which the
+# default pickling of exceptions does not pass back, so the error travels as its two parts.
+_WireRow = tuple[int, Any, str | None, str, str]
+
+
+def _to_wire(raw: RawRow) -> _WireRow:
+    error = raw.error
+    if error is None:
+        return (raw.index, raw.value, None, "", raw.excerpt)
+    return (raw.index, raw.value, error.reason, error.detail, raw.excerpt)
+
+
+def _from_wire(row: _WireRow) -> RawRow:
+    index, value, reason, detail, excerpt = row
+    error = None if reason is None else RowError(reason, detail)
+    return RawRow(index, value, error, excerpt)

@@ -1,0 +1,97 @@
+"""The CPU-bound stage of enqueueing: validate, render and tokenize a batch. Pure: no I/O.
+
+Kept apart from `producer.enqueue` so worker processes import only what they run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from models.records import NewJob, Rejection
+from producer.rows import Prompt, RawRow, RowError, to_prompt
+from producer.template import Templater
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A batch after validation and templating."""
+
+    jobs: list[NewJob]
+    rejections: list[Rejection]
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A batch after validation and rendering: the texts still to tokenize."""
+
+    rows: list[tuple[RawRow, Prompt, str]]
+    rejections: list[Rejection]
+
+
+def prepare(
+    templater: Templater, batch: list[RawRow], max_context_len: int | None, max_new_tokens: int
+) -> Prepared:
+    """Validate, render and tokenize a batch; every bad row becomes a Rejection."""
+    return tokenize(templater, render(templater, batch), max_context_len, max_new_tokens)
+
+
+def render(templater: Templater, batch: list[RawRow]) -> Rendered:
+    """Validate and render a batch (Python work: it holds the GIL)."""
+    rejections: list[Rejection] = []
+    valid: list[tuple[RawRow, Prompt]] = []
+    for raw in batch:
+        try:
+            if raw.error is not None:
+                raise raw.error
+            valid.append((raw, to_prompt(raw.value)))
+        except RowError as err:
+            rejections.append(Rejection(raw.index, err.reason, excerpt(raw, err)))
+    rendered: list[tuple[RawRow, Prompt, str]] = []
+    for (raw, prompt), text in zip(
+        valid, templater.render_many([p for _, p in valid]), strict=True
+    ):
+        if isinstance(text, RowError):
+            rejections.append(Rejection(raw.index, text.reason, excerpt(raw, text)))
+        else:
+            rendered.append((raw, prompt, text))
+    return Rendered(rendered, rejections)
+
+
+def tokenize(
+    templater: Templater, rendered: Rendered, max_context_len: int | None, max_new_tokens: int
+) -> Prepared:
+    """Tokenize rendered prompts (the Rust tokenizer releases the GIL) and build the jobs."""
+    rejections = list(rendered.rejections)
+    jobs: dict[str, NewJob] = {}
+    encoded = templater.encode_batch([text for _, _, text in rendered.rows])
+    for (raw, prompt, _), input_ids in zip(rendered.rows, encoded, strict=True):
+        too_long = _too_long(len(input_ids), max_context_len, max_new_tokens)
+        if too_long is not None:
+            rejections.append(Rejection(raw.index, too_long.reason, excerpt(raw, too_long)))
+            continue
+        job = NewJob(raw.index, input_ids, _messages(prompt))
+        # A prompt repeated inside one batch is one job; the database dedups across batches.
+        jobs.setdefault(job.prompt_sha256, job)
+    return Prepared(list(jobs.values()), rejections)
+
+
+def _too_long(prompt_tokens: int, max_context_len: int | None, max_new: int) -> RowError | None:
+    if max_context_len is None or prompt_tokens + max_new <= max_context_len:
+        return None
+    return RowError(
+        "too_long",
+        f"{prompt_tokens} prompt tokens + max_new_tokens {max_new} "
+        f"exceed the context length {max_context_len}",
+    )
+
+
+def _messages(prompt: Prompt) -> dict[str, Any]:
+    return {"messages": prompt.messages, "tools": prompt.tools}
+
+
+def excerpt(raw: RawRow, err: RowError) -> str:
+    """The reason's detail and the start of the row, for `rejected_rows`."""
+    source = raw.excerpt or json.dumps(raw.value, ensure_ascii=False, default=str)
+    return f"{err.detail} | {source[:300]}"

@@ -1,0 +1,106 @@
+"""Batches prepared in worker processes equal batches prepared in-process, in the same order."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.settings import Settings
+from models.db import make_engine
+from models.repository import Repository
+from producer import enqueue
+from producer.commands import run_enqueue
+from producer.enqueue import batches
+from producer.parallel import Preparer
+from producer.plan import DatasetPlan, RunPlan
+from producer.prepare import Prepared, prepare
+from producer.readers import iter_rows
+from producer.template import Templater
+from tests.helpers import sample_rows, write_jsonl
+
+BAD_ROWS: list[Any] = [
+    "{broken json",
+    [1, 2],
+    {"messages": [{"role": "user", "content": None}]},
+    {"messages": [{"role": "wizard", "content": "hi"}]},
+]
+
+
+def dataset(tmp_path: Path) -> Path:
+    """The whole sample dataset (tools, multi-turn) with bad rows and repeats mixed in."""
+    rows = sample_rows(300)
+    mixed: list[Any] = [*rows[:100], *BAD_ROWS, *rows[100:], *rows[:20]]
+    return write_jsonl(tmp_path / "d.jsonl", mixed)
+
+
+def flat(prepared: list[Prepared]) -> list[tuple[Any, ...]]:
+    """Everything a batch hands on, as plain comparable values."""
+    out: list[tuple[Any, ...]] = []
+    for p in prepared:
+        out.extend(("job", j.row_index, j.input_ids, j.prompt_sha256, j.messages) for j in p.jobs)
+        out.extend(("rejected", r.row_index, r.reason, r.excerpt) for r in p.rejections)
+        out.append(("end of batch",))
+    return out
+
+
+def prepared_by(preparer: Preparer, path: Path, size: int) -> list[Prepared]:
+    with preparer:
+        futures = [preparer.submit(b, 200, 64) for b in batches(iter_rows(path), size)]
+        return [f.result() for f in futures]
+
+
+@pytest.mark.parametrize("template_kwargs", [{}, {"thinking": False}])
+def test_pool_and_in_process_prepare_the_same_batches(
+    tmp_path: Path, template_kwargs: dict[str, Any]
+) -> None:
+    path = dataset(tmp_path)
+    templater = Templater(TOKENIZER_DIR, template_kwargs=template_kwargs)
+    # The reference: the plain sequential stage, batch by batch.
+    expected = [prepare(templater, b, 200, 64) for b in batches(iter_rows(path), 16)]
+    in_process = prepared_by(Preparer(templater, 0), path, 16)
+    pooled = prepared_by(Preparer(templater, 2), path, 16)
+    assert flat(in_process) == flat(expected)
+    assert flat(pooled) == flat(expected)
+    reasons = {r.reason for p in expected for r in p.rejections}
+    assert reasons == {"invalid_json", "not_an_object", "empty_prompt", "unknown_role", "too_long"}
+
+
+@pytest.fixture
+def repo(settings: Settings) -> Iterator[Repository]:
+    assert settings.database_url is not None
+    engine = make_engine(settings.database_url)
+    yield Repository(engine)
+    engine.dispose()
+
+
+def test_enqueue_with_workers_stores_what_in_process_stores(
+    settings: Settings, repo: Repository, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(enqueue, "BATCH_ROWS", 32)  # many batches, spread over the workers
+    path = dataset(tmp_path)
+
+    def run(name: str, workers: int) -> dict[str, Any]:
+        plan = RunPlan(
+            run=name,
+            tokenizer=TOKENIZER_DIR,
+            datasets=[DatasetPlan("d", path, sampling={"max_new_tokens": 64})],
+            max_context_len=200,
+        )
+        report = run_enqueue(settings, plan, quiet=True, workers=workers)
+        return report.as_dict()["datasets"]["d"]  # type: ignore[no-any-return]
+
+    assert run("pooled", 2) == run("in-process", 0)
+    jobs: dict[int, list[tuple[int, list[int], str]]] = {}
+    for job_id in repo.job_ids():  # in id order: the order jobs were inserted
+        job = repo.job(job_id)
+        assert job is not None
+        stored = (job["row_index"], job["input_ids"], json.dumps(job["messages"]))
+        jobs.setdefault(job["dataset_id"], []).append(stored)
+    pooled, in_process = sorted(jobs)  # the pooled run's dataset was created first
+    assert jobs[pooled] == jobs[in_process] and len(jobs[pooled]) > 250
+    assert repo.rejected_rows(pooled) == repo.rejected_rows(in_process) != []
