@@ -9,6 +9,8 @@ tok/s = completion tokens / wall time from the first to the last finished reques
 generations.created_at in Postgres; bare: response times). The simulator's output is
 deterministic per prompt, so both sides generate the same tokens. Peak in flight = the
 largest num_running_reqs + num_queue_reqs seen on the simulator's /metrics every 0.2 s.
+The bare client sends a request again after a transport error (the server closing a
+keep-alive connection as it is reused) and says how often it did.
 
 Usage: python -m bench.worker_throughput [--jobs 3000] [--concurrency 600]
 Services: --database-url/--broker-url (default: this machine's Postgres and Redis; a scratch
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -28,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,10 +291,12 @@ async def _generate(client: httpx.AsyncClient, body: dict[str, Any], errors: lis
         return int(response.json()["meta_info"]["completion_tokens"])
 
 
-def measure(kind: str, run: Any, sim_url: str, pids: dict[str, int]) -> Measurement:
+def measure(
+    kind: str, run: Callable[[], tuple[int, int, float]], sim_url: str, pids: dict[str, int]
+) -> Measurement:
     """Run one round with the in-flight sampler and CPU accounting around it."""
-    requests = httpx.post(f"{sim_url}/flush_cache", timeout=10)  # cold prefix cache each round
-    requests.raise_for_status()
+    flushed = httpx.post(f"{sim_url}/flush_cache", timeout=10)  # cold prefix cache each round
+    flushed.raise_for_status()
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     cpu_before["machine"] = machine_busy_s()
     start = time.time()
@@ -329,12 +334,8 @@ def benchmark(args: argparse.Namespace) -> list[Measurement]:
                     pids,
                 )
                 print(bare.line(), flush=True)
-                pipe = measure(
-                    "pipeline",
-                    lambda i=i: pipeline_round(settings, repo, path, f"pipeline-{i}", args),
-                    url,
-                    pids,
-                )
+                run = functools.partial(pipeline_round, settings, repo, path, f"pipeline-{i}", args)
+                pipe = measure("pipeline", run, url, pids)
                 print(pipe.line(), flush=True)
                 results += [bare, pipe]
     repo.engine.dispose()

@@ -52,31 +52,6 @@ def format_tokens(value: int | None) -> str:
     return str(value)
 
 
-class Reservation(StrEnum):
-    """What the ledger says to a job that wants to start."""
-
-    RESERVE = "reserve"  # hold the worst case and run
-    DEFER = "defer"  # outstanding reservations may still free budget: try again later
-    SKIP = "skip"  # settled usage reached the budget: the job will not run
-
-
-def decide_reservation(budget: int | None, used: int, reserved: int, need: int) -> Reservation:
-    """The ledger rule of DESIGN §4.
-
-    A job runs when its worst case fits next to what is settled and held. When it does not
-    fit but nothing is held, it runs anyway while settled usage is below the budget: else a
-    job larger than the remainder would wait forever. So the final overshoot is below one
-    job's reservation.
-    """
-    if budget is None or used + reserved + need <= budget:
-        return Reservation.RESERVE
-    if used >= budget:
-        return Reservation.SKIP
-    if reserved == 0:
-        return Reservation.RESERVE
-    return Reservation.DEFER
-
-
 def settled(prompt_tokens: int, completion_tokens: int, basis: BudgetBasis) -> int:
     """What a recorded generation costs the budget."""
     return completion_tokens + (prompt_tokens if basis is BudgetBasis.TOTAL else 0)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select, update
+from sqlalchemy import ColumnElement, Connection, Engine, and_, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from models.budget import BudgetBasis, Reservation, decide_reservation, settled, worst_case
+from models.budget import BudgetBasis, settled, worst_case
 from models.records import Claim, ClaimedJob, GenerationRecord
 from models.schema import Dataset, Generation, Job, Run
 from models.states import JobState
@@ -123,6 +123,14 @@ class JobQueries:
 
 
 def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Claim:
+    """Claim, then apply the ledger rule of DESIGN §4.
+
+    A job runs when its worst case fits next to what is settled and held. When it does not
+    fit but nothing is held, it runs anyway while settled usage is below the budget (else a
+    job larger than the remainder would wait forever), so the final overshoot is below one
+    job's reservation. Otherwise it is deferred while reservations are held, and skipped
+    once settled usage reached the budget.
+    """
     job = conn.execute(
         update(Job)
         .where(Job.id == job_id, Job.state == JobState.QUEUED.value)
@@ -137,28 +145,26 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
     ).one_or_none()
     if job is None:
         raise _Rollback("not_queued")
-    # The dataset row lock serializes reservations, so the decision sees a settled ledger.
     ds = conn.execute(
-        select(
-            Dataset.sampling_params,
-            Dataset.budget_tokens,
-            Dataset.budget_basis,
-            Dataset.used_tokens,
-            Dataset.reserved_tokens,
-            Run.think_end_id,
-        )
+        select(Dataset.sampling_params, Dataset.budget_basis, Run.think_end_id)
         .join(Run, Run.id == Dataset.run_id)
         .where(Dataset.id == job.dataset_id)
-        .with_for_update(of=Dataset)
     ).one()
     params = dict(ds.sampling_params or {})
     need = worst_case(
         job.prompt_tokens, int(params.get("max_new_tokens", 0)), BudgetBasis(ds.budget_basis)
     )
-    decision = decide_reservation(ds.budget_tokens, ds.used_tokens, ds.reserved_tokens, need)
-    if decision is Reservation.DEFER:
-        raise _Rollback("deferred")
-    if decision is Reservation.SKIP:
+    conn.execute(update(Job).where(Job.id == job_id).values(reserved_tokens=need))
+    # The dataset row is every worker's hot spot: touch it only with the last statement
+    # before COMMIT, and only in single conditional UPDATEs (never a lock held across round
+    # trips). Each branch of the ledger rule is one atomic predicate, or a fact that only
+    # grows (used), so no decision needs a lock.
+    reserved = _reserve_where(conn, job.dataset_id, need, _fits(need)) or _reserve_where(
+        conn, job.dataset_id, need, _nothing_held()
+    )
+    if not reserved:
+        if not _budget_spent(conn, job.dataset_id):
+            raise _Rollback("deferred")
         conn.execute(
             update(Job)
             .where(Job.id == job_id)
@@ -167,15 +173,10 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
                 attempts=Job.attempts - 1,
                 worker=None,
                 lease_until=None,
+                reserved_tokens=0,
             )
         )
         return Claim("skipped")
-    conn.execute(
-        update(Dataset)
-        .where(Dataset.id == job.dataset_id)
-        .values(reserved_tokens=Dataset.reserved_tokens + need)
-    )
-    conn.execute(update(Job).where(Job.id == job_id).values(reserved_tokens=need))
     return Claim(
         "claimed",
         ClaimedJob(
@@ -188,6 +189,46 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
             think_end_id=ds.think_end_id,
         ),
     )
+
+
+def _fits(need: int) -> ColumnElement[bool]:
+    """The job's worst case fits next to what is settled and held (or there is no budget)."""
+    return or_(
+        Dataset.budget_tokens.is_(None),
+        Dataset.used_tokens + Dataset.reserved_tokens + need <= Dataset.budget_tokens,
+    )
+
+
+def _nothing_held() -> ColumnElement[bool]:
+    """Nothing is held and the budget is not spent: run even a job larger than the rest."""
+    return and_(Dataset.reserved_tokens == 0, Dataset.used_tokens < Dataset.budget_tokens)
+
+
+def _reserve_where(
+    conn: Connection, dataset_id: int, need: int, condition: ColumnElement[bool]
+) -> bool:
+    """Reserve ``need`` in the dataset's ledger if ``condition`` holds, in one statement."""
+    reserved = conn.scalar(
+        update(Dataset)
+        .where(Dataset.id == dataset_id, condition)
+        .values(reserved_tokens=Dataset.reserved_tokens + need)
+        .returning(Dataset.id)
+    )
+    return reserved is not None
+
+
+def _budget_spent(conn: Connection, dataset_id: int) -> bool:
+    """Whether settled usage reached the budget.
+
+    The share lock is taken only on this rare path: it makes a concurrent `budget set`
+    (which locks the row for update) wait for this skip, so the raise re-queues it.
+    """
+    spent = conn.scalar(
+        select(Dataset.used_tokens >= Dataset.budget_tokens)
+        .where(Dataset.id == dataset_id)
+        .with_for_update(read=True)
+    )
+    return bool(spent)
 
 
 def _lock_running(conn: Connection, job_id: int, worker: str) -> Any:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 from typing import Any
@@ -122,7 +121,11 @@ def _on_shutdown(ctx: WorkerContext) -> None:
         publisher.publish(released)
         publisher.close()
         log.warning("grace period over: released %s running job(s): %s", len(released), released)
-        os.kill(os.getpid(), signal.SIGQUIT)  # Celery's cold shutdown: do not wait
+        # Celery's cold shutdown would still join the pool's threads, which wait on their
+        # requests: leave now. Our messages stay unacked; Redis redelivers them later and
+        # the claim turns those duplicates away.
+        logging.shutdown()
+        os._exit(0)
 
     @worker_shutting_down.connect(weak=False)  # type: ignore[untyped-decorator]
     def shutting_down(**_: Any) -> None:

@@ -21,7 +21,7 @@ from models.records import ClaimedJob, GenerationRecord
 from models.repository import Repository
 from worker.reasoning import split_reasoning
 from worker.retry import AttemptError, Disposition, backoff, decide
-from worker.servers import Lease, Router, Server
+from worker.servers import Lease, Router, Server, probe
 from worker.sglang import SGLangClient
 from worker.slots import SlotPool
 from worker.validate import check_response
@@ -165,8 +165,11 @@ def _settle_failure(
         ctx.repo.release(job.id, ctx.name, f"worker shutting down: {error}", refund=True)
         return Result(Outcome.NO_SLOT)
     if error.transport:
-        # Stop sending to a server that drops connections until the health probe says so.
-        ctx.router.mark(server, healthy=False, reason=str(error))
+        # One lost connection says little (a keep-alive race, a proxy reset): stop sending to
+        # the server only when its health check fails too; the health loop brings it back.
+        down = probe(server, timeout_s=min(ctx.settings.health_interval_s, 5.0))
+        if down is not None:
+            ctx.router.mark(server, healthy=False, reason=f"{error}; {down}")
     if decide(error, job.attempts, ctx.settings.max_attempts) is Disposition.RETRY:
         ctx.repo.release(job.id, ctx.name, str(error))
         return Result(

@@ -10,6 +10,7 @@ import httpx
 from eaglegen.settings import ServerSpec
 from worker.retry import AttemptError, classify_status
 
+KEEPALIVE_EXPIRY_S = 2.0
 SAMPLING_KEYS = frozenset(
     {
         "max_new_tokens",
@@ -42,8 +43,17 @@ class SGLangClient:
             base_url=server.url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                # Below the server's keep-alive (uvicorn, so SGLang: 5 s), so that a pooled
+                # connection is never reused just as the server closes it.
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
             ),
+        )
+        # Probes must not queue behind generations for a connection: a worker busy on
+        # every thread would time its probe out and call a healthy server down.
+        self._probe = httpx.Client(
+            base_url=server.url, timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_connections=2)
         )
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str) -> Any:
@@ -71,12 +81,13 @@ class SGLangClient:
             raise AttemptError(f"{self.server.name}: malformed JSON body", retryable=True) from exc
 
     def get(self, path: str, timeout_s: float) -> httpx.Response:
-        """A GET on the server (health probes, metrics)."""
-        return self._http.get(path, timeout=timeout_s)
+        """A GET on the server (health probes, metrics), on its own small pool."""
+        return self._probe.get(path, timeout=timeout_s)
 
     def close(self) -> None:
         """Close pooled connections."""
         self._http.close()
+        self._probe.close()
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -1,0 +1,389 @@
+"""Worker subprocesses, private services and exact end-of-run checks for the fault tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import redis
+from sqlalchemy.exc import DBAPIError
+
+from eaglegen.assets import TOKENIZER_DIR, special_ids
+from eaglegen.queue import BulkPublisher
+from eaglegen.sampling import complete
+from eaglegen.settings import Settings
+from eaglegen.stack import EmbeddedPostgres, EmbeddedRedis, free_port
+from models.db import make_engine
+from models.records import DatasetSpec, NewJob, RunSpec
+from models.repository import Repository
+from models.states import JobState
+from worker.commands import alive_workers
+
+T = TypeVar("T")
+
+# Short intervals so that a lost worker, message or connection is noticed within seconds.
+FAST_KNOBS: dict[str, Any] = {
+    "lease_seconds": 4,
+    "reconcile_interval_s": 1.0,
+    "republish_after_s": 1.5,
+    "heartbeat_interval_s": 0.5,
+    "health_interval_s": 0.5,
+    "slot_lease_seconds": 6.0,
+    "slot_wait_s": 1.0,
+    "retry_base_s": 0.05,
+    "retry_cap_s": 0.5,
+    "budget_defer_s": 0.1,
+    "shutdown_grace_s": 1.0,
+    "request_timeout_s": 30.0,
+    "max_attempts": 5,
+}
+# What a worker subprocess reads from EAGLEGEN_<NAME> (the servers come as --server flags).
+_ENV_KNOBS = ("database_url", "broker_url", "queue", "data_dir", *FAST_KNOBS)
+_EXPIRED = re.compile(r"'expired_leases': (\d+)")
+_REPUBLISHED = re.compile(r"'republished': (\d+)")
+IDS = special_ids(TOKENIZER_DIR)
+
+
+def prompt_ids(i: int, salt: int) -> list[int]:
+    """A distinct templated-looking prompt: BOS, 12 to 31 ordinary ids, then <think>."""
+    body = [100 + (i * 7919 + k * 31 + salt) % 3900 for k in range(12 + i % 20)]
+    return [IDS.bos, *body, IDS.think_start]
+
+
+def seed_jobs(
+    settings: Settings,
+    n: int,
+    *,
+    dataset: str = "d",
+    max_new_tokens: int = 16,
+    budget: int | None = None,
+) -> list[int]:
+    """Insert ``n`` jobs and publish their ids: what `eaglegen enqueue` writes, untemplated."""
+    assert settings.broker_url is not None
+    repo = make_repo(settings)
+    try:
+        run_id = repo.ensure_run(
+            RunSpec(
+                "run", str(TOKENIZER_DIR), "a" * 64, "b" * 64, "sim", think_end_id=IDS.think_end
+            )
+        )
+        sampling = complete({"max_new_tokens": max_new_tokens}, [IDS.im_end])
+        spec = DatasetSpec(dataset, f"{dataset}.jsonl", sampling, budget_tokens=budget)
+        dataset_id = repo.ensure_dataset(run_id, spec)
+        salt = zlib.crc32(dataset.encode())
+        jobs = [
+            NewJob(i, prompt_ids(i, salt), [{"role": "user", "content": f"q{i}"}]) for i in range(n)
+        ]
+        ids = repo.insert_jobs(dataset_id, jobs)
+    finally:
+        repo.engine.dispose()
+    assert len(ids) == n, f"{len(ids)} of {n} prompts were new"
+    publisher = BulkPublisher(settings.broker_url, settings.queue)
+    publisher.publish(ids)
+    publisher.close()
+    return ids
+
+
+def make_repo(settings: Settings) -> Repository:
+    """A small pooled repository for polling from the test thread."""
+    assert settings.database_url is not None
+    return Repository(make_engine(settings.database_url, pool_size=2))
+
+
+def fault_settings(database_url: str, broker_url: str, tmp_path: Path) -> Settings:
+    """Settings of one fault test: its services, its own queue and the fast knobs."""
+    return Settings(
+        database_url=database_url,
+        broker_url=broker_url,
+        data_dir=tmp_path / "data",
+        queue="eaglegen-faults",
+        worker_concurrency=8,
+        **FAST_KNOBS,
+    )
+
+
+def worker_env(settings: Settings) -> dict[str, str]:
+    """The environment of a worker subprocess: the parent's, minus EAGLEGEN_*, plus knobs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    for name in _ENV_KNOBS:
+        env[f"EAGLEGEN_{name.upper()}"] = str(getattr(settings, name))
+    return env
+
+
+@dataclass
+class WorkerProcess:
+    """One ``python -m eaglegen worker`` subprocess and its log file."""
+
+    label: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    servers: list[str]
+
+    @property
+    def pid(self) -> int:
+        """The process id."""
+        return self.process.pid
+
+    def running(self) -> bool:
+        """Whether the process has not exited."""
+        return self.process.poll() is None
+
+    def send(self, signum: signal.Signals) -> None:
+        """Send a signal if the process still runs."""
+        if self.running():
+            self.process.send_signal(signum)
+
+    def log(self) -> str:
+        """Everything it wrote."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def tail(self, lines: int = 30) -> str:
+        """The last lines of its log, after its CRITICAL lines (why it stopped, if it did)."""
+        text = self.log().splitlines()
+        critical = [line for line in text if "CRITICAL" in line][:5]
+        return "\n".join([*critical, "...", *text[-lines:]])
+
+
+@dataclass
+class Fleet:
+    """The worker subprocesses of one test; whatever still runs is killed at teardown."""
+
+    settings: Settings
+    servers: list[str]
+    log_dir: Path
+    workers: list[WorkerProcess] = field(default_factory=list)
+    # Workers that exited on their own and were replaced, as a supervisor would.
+    crashed: list[str] = field(default_factory=list)
+    _ended: set[str] = field(default_factory=set)
+
+    @property
+    def concurrency(self) -> int:
+        """Threads per worker process."""
+        return self.settings.worker_concurrency
+
+    def start(self, *, servers: list[str] | None = None) -> WorkerProcess:
+        """Start one worker and return once its heartbeat is in Redis."""
+        label = f"w{len(self.workers)}"
+        log_path = self.log_dir / f"{label}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        servers = servers or self.servers
+        flags = [f"--server={s}" for s in servers]
+        argv = [sys.executable, "-m", "eaglegen", "worker", *flags]
+        argv.append(f"--concurrency={self.concurrency}")
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                argv,
+                env=worker_env(self.settings),
+                cwd=self.log_dir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        worker = WorkerProcess(label, process, log_path, servers)
+        self.workers.append(worker)
+        self.wait_alive(worker)
+        return worker
+
+    def wait_alive(self, worker: WorkerProcess, timeout_s: float = 60.0) -> None:
+        """Block until ``worker`` writes a heartbeat (fail at once if it exits)."""
+
+        def beating() -> bool:
+            assert worker.running(), f"worker {worker.label} exited\n{worker.tail()}"
+            return self.heartbeat(worker) is not None
+
+        wait_for(beating, timeout_s, f"heartbeat of {worker.label}", self.tails)
+
+    def heartbeat(self, worker: WorkerProcess) -> dict[str, Any] | None:
+        """The worker's latest heartbeat record, or None."""
+        assert self.settings.broker_url is not None
+        beats = alive_workers(self.settings.broker_url, None, 5.0)
+        return next((b for b in beats if b.get("pid") == worker.pid), None)
+
+    def kill(self, worker: WorkerProcess) -> None:
+        """SIGKILL ``worker`` and reap it."""
+        self._ended.add(worker.label)
+        worker.send(signal.SIGKILL)
+        worker.process.wait(timeout=30)
+
+    def stop(self, worker: WorkerProcess) -> None:
+        """SIGTERM ``worker``: it shuts down on its own."""
+        self._ended.add(worker.label)
+        worker.send(signal.SIGTERM)
+
+    def replace_crashed(self) -> None:
+        """Start a replacement for every worker that exited unasked, as systemd would."""
+        for worker in self.workers:
+            if worker.label not in self._ended and not worker.running():
+                self._ended.add(worker.label)
+                self.crashed.append(f"{worker.label} (exit {worker.process.returncode})")
+                self.start(servers=worker.servers)
+
+    def running(self) -> list[WorkerProcess]:
+        """The workers that have not exited."""
+        return [w for w in self.workers if w.running()]
+
+    def close(self) -> None:
+        """Kill and reap every worker still running."""
+        for worker in self.workers:
+            self.kill(worker)
+
+    def tails(self) -> str:
+        """The tail of every worker's log, for assertion messages."""
+        return "\n".join(
+            f"--- {w.label} (pid {w.pid}, exit {w.process.poll()}) ---\n{w.tail()}"
+            for w in self.workers
+        )
+
+    def log_count(self, text: str) -> int:
+        """How many times ``text`` occurs in the worker logs."""
+        return sum(w.log().count(text) for w in self.workers)
+
+    def log_total(self, pattern: re.Pattern[str]) -> int:
+        """Sum of the first group of ``pattern`` over every worker log."""
+        return sum(int(n) for w in self.workers for n in pattern.findall(w.log()))
+
+    def reconciler_totals(self) -> dict[str, int]:
+        """Leases expired and messages republished by the reconcilers, from the logs."""
+        return {
+            "expired_leases": self.log_total(_EXPIRED),
+            "republished": self.log_total(_REPUBLISHED),
+        }
+
+
+def wait_for(
+    check: Callable[[], T | None], timeout_s: float, what: str, diagnostics: Callable[[], str]
+) -> T:
+    """Poll ``check`` until it returns something truthy; outages of a service are retried."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+        except (DBAPIError, redis.RedisError) as exc:  # a service may be down on purpose
+            last_error = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout_s:.0f} s waiting for {what} "
+                f"(last service error: {last_error})\n{diagnostics()}"
+            )
+        time.sleep(0.1)
+
+
+def state_counts(repo: Repository) -> Counter[str]:
+    """Jobs by state over every dataset, states with no job left out."""
+    counts: Counter[str] = Counter()
+    for dataset in repo.counts():
+        counts.update({state: n for state, n in dataset.states.items() if n})
+    return counts
+
+
+def running_on(repo: Repository, worker: WorkerProcess) -> list[int]:
+    """Ids of the jobs that ``worker`` holds in state running."""
+    jobs = [repo.job(job_id) for job_id in repo.job_ids(state=JobState.RUNNING)]
+    return [j["id"] for j in jobs if j and str(j["worker"]).endswith(f":{worker.pid}")]
+
+
+def attempts_histogram(repo: Repository) -> dict[int, int]:
+    """How many jobs took each number of attempts."""
+    jobs = [repo.job(job_id) for job_id in repo.job_ids()]
+    return dict(Counter(job["attempts"] for job in jobs if job is not None))
+
+
+def wait_settled(
+    repo: Repository, fleet: Fleet, timeout_s: float, *, supervise: bool = False
+) -> Counter[str]:
+    """Wait until no job is queued or running (``supervise``: replacing crashed workers)."""
+
+    def settled() -> Counter[str] | None:
+        if supervise:
+            fleet.replace_crashed()
+        states = state_counts(repo)
+        return states if states and states["queued"] + states["running"] == 0 else None
+
+    return wait_for(settled, timeout_s, "every job to settle", lambda: _progress(repo, fleet))
+
+
+def _progress(repo: Repository, fleet: Fleet) -> str:
+    try:
+        states = str(dict(state_counts(repo)))
+    except DBAPIError as exc:
+        states = f"unknown ({exc})"
+    return f"states: {states}\n{fleet.tails()}"
+
+
+def assert_exactly_once(repo: Repository, total: int, fleet: Fleet) -> Counter[str]:
+    """Every job done, each with exactly one generation, and every audit invariant holds."""
+    states = state_counts(repo)
+    generations = repo.generation_count()
+    problems = repo.audit(lease_grace_s=0)
+    assert states == Counter(done=total), f"{dict(states)} of {total}\n{fleet.tails()}"
+    assert generations == total, f"{generations} generations for {total} jobs\n{fleet.tails()}"
+    assert problems == [], f"{problems}\n{fleet.tails()}"
+    return states
+
+
+def report(name: str, **facts: Any) -> None:
+    """Print one line of facts about a run (shown with ``pytest -rP`` or ``-s``)."""
+    print(f"[faults] {name}: {json.dumps(facts, sort_keys=True, default=str)}")
+
+
+class PrivateRedis:
+    """A Redis of one test's own, on a fixed port, that can be restarted empty."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = free_port()
+        self._server: EmbeddedRedis | None = None
+
+    @property
+    def url(self) -> str:
+        """The broker URL (the same across restarts)."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> str:
+        """Start a new, empty redis-server on the port."""
+        self._server = EmbeddedRedis(self.root, port=self.port)
+        return self._server.start()
+
+    def stop(self) -> None:
+        """Stop the server; everything it held is gone."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+class PrivatePostgres:
+    """A Postgres cluster of one test's own (pgserver) that can be stopped and started."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = ""
+        self._server: EmbeddedPostgres | None = None
+
+    def start(self) -> str:
+        """Start the cluster on its data directory; its URL (the same across restarts)."""
+        self._server = EmbeddedPostgres(self.root)
+        url = self._server.start()
+        assert self.url in ("", url), f"the cluster came back at {url}, not {self.url}"
+        self.url = url
+        return url
+
+    def stop(self) -> None:
+        """Stop the cluster (pg_ctl's fast mode: every session is cut)."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None

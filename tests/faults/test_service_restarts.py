@@ -1,0 +1,108 @@
+"""Redis restarted empty and Postgres restarted, each in the middle of a run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from eaglegen.settings import Settings
+from eaglegen.sim import SimServer
+from models.db import upgrade
+from models.repository import Repository
+from tests.faults.conftest import FleetFactory
+from tests.faults.harness import (
+    Fleet,
+    PrivatePostgres,
+    PrivateRedis,
+    assert_exactly_once,
+    attempts_histogram,
+    fault_settings,
+    make_repo,
+    report,
+    seed_jobs,
+    state_counts,
+    wait_for,
+    wait_settled,
+)
+
+pytestmark = pytest.mark.faults
+
+JOBS = 600
+DOWNTIME_S = 2.0
+# Celery 5.7 + kombu 5.7, threads pool: after a lost connection, work still queued on the
+# collected channel builds a Redis client from a transport whose client is None.
+REDIS_CRASH = "\"Unrecoverable error: AttributeError(... 'hostname')\" in the worker log"
+
+
+def test_redis_restarted_empty_mid_run_loses_nothing(
+    fast_settings: Settings,
+    repo: Repository,
+    fleet: Fleet,
+    private_redis: PrivateRedis,
+) -> None:
+    """Every message, slot and heartbeat vanishes; the reconciler rebuilds from Postgres."""
+    total = len(seed_jobs(fast_settings, JOBS))
+    fleet.start()
+    fleet.start()
+    _wait_done(repo, fleet, total // 4)
+    private_redis.stop()
+    lost = state_counts(repo)["queued"]
+    time.sleep(DOWNTIME_S)  # the outage itself: workers must ride it out
+    private_redis.start()  # a new process without persistence: nothing survived
+    wait_settled(repo, fleet, timeout_s=150, supervise=True)
+    assert_exactly_once(repo, total, fleet)
+    report(
+        "redis restart",
+        jobs=total,
+        queued_when_lost=lost,
+        attempts=attempts_histogram(repo),
+        crashed_workers=fleet.crashed,
+        **fleet.reconciler_totals(),
+    )
+    if fleet.crashed:  # every job was still done once: the data held, the process did not
+        pytest.xfail(f"product bug: {fleet.crashed} died of the outage, see {REDIS_CRASH}")
+
+
+def test_postgres_restarted_mid_run_loses_nothing(
+    private_postgres: PrivatePostgres,
+    private_redis: PrivateRedis,
+    sim: SimServer,
+    fleet_factory: FleetFactory,
+    tmp_path: Path,
+) -> None:
+    """Every connection is cut; workers reconnect (pool_pre_ping) and leases recover."""
+    upgrade(private_postgres.url)
+    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path)
+    repo = make_repo(settings)
+    fleet = fleet_factory(settings, [f"sim={sim.url}"])
+    try:
+        total = len(seed_jobs(settings, JOBS))
+        fleet.start()
+        fleet.start()
+        _wait_done(repo, fleet, total // 4)
+        private_postgres.stop()
+        time.sleep(DOWNTIME_S)
+        private_postgres.start()
+        wait_settled(repo, fleet, timeout_s=150)
+        assert_exactly_once(repo, total, fleet)
+        _assert_all_running(fleet)
+        report(
+            "postgres restart",
+            jobs=total,
+            tasks_failed_on_db=fleet.log_count("raised unexpected: OperationalError"),
+            attempts=attempts_histogram(repo),
+            **fleet.reconciler_totals(),
+        )
+    finally:
+        repo.engine.dispose()
+
+
+def _wait_done(repo: Repository, fleet: Fleet, done: int) -> None:
+    wait_for(lambda: state_counts(repo)["done"] >= done, 120, f"{done} done jobs", fleet.tails)
+
+
+def _assert_all_running(fleet: Fleet) -> None:
+    """No worker process died of the outage."""
+    assert all(w.running() for w in fleet.workers), fleet.tails()
