@@ -20,6 +20,6 @@ def heartbeat_pattern(host: str | None = None) -> str:
     return f"{PREFIX}:heartbeat:{host or '*'}:*"
 
 
-def reconciler_lock() -> str:
-    """Held by the one worker that runs the periodic reconciler."""
-    return f"{PREFIX}:reconciler"
+def reconciler_lock(queue: str) -> str:
+    """Held by the one worker that runs the periodic reconciler of ``queue``'s jobs."""
+    return f"{PREFIX}:reconciler:{queue}"

@@ -46,6 +46,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "task_default_queue": settings.queue,
         "worker_hijack_root_logger": False,
+        # kombu's Redis transport, with one failure mapped to the error it means (see there).
+        "broker_transport": "eaglegen.redis_transport:Transport",
     }
 
 

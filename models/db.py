@@ -13,14 +13,20 @@ from eaglegen.settings import normalize_database_url
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
-def make_engine(url: str, *, pool_size: int = 5) -> Engine:
-    """A pooled engine whose connections are checked before use (Postgres may restart)."""
+def make_engine(url: str, *, pool_size: int = 5, async_commit: bool = False) -> Engine:
+    """A pooled engine whose connections are checked before use (Postgres may restart).
+
+    ``async_commit`` turns off the wait for the WAL flush at commit. Workers may: a commit
+    lost in a Postgres crash leaves the job running under a lease, the reconciler queues it
+    again, and it is generated again; nothing is recorded twice or half.
+    """
+    options = {"options": "-c synchronous_commit=off"} if async_commit else {}
     return create_engine(
         normalize_database_url(url),
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=True,
-        future=True,
+        connect_args=options,
     )
 
 

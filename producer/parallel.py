@@ -13,6 +13,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import threading
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing.context import BaseContext
 from pathlib import Path
@@ -127,6 +128,11 @@ def _start_worker(path: Path, trust_remote_code: bool, template_kwargs: dict[str
     global _worker_templater
     # Ctrl-C reaches the whole process group; the main process decides and shuts the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A main process killed outright (SIGTERM, SIGKILL) never shuts the pool down, and the
+    # worker would wait for tasks forever: leave when it is gone.
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_after, args=(parent,), daemon=True).start()
     # One tokenizer thread per worker: the workers already fill the cores, and idle threads
     # of the tokenizer's own pool would spin on them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -136,6 +142,11 @@ def _start_worker(path: Path, trust_remote_code: bool, template_kwargs: dict[str
     # The worker's long-lived objects (transformers, the tokenizer) leave the collector's
     # full passes, which templating's cyclic garbage otherwise triggers again and again.
     gc.freeze()
+
+
+def _exit_after(parent: multiprocessing.process.BaseProcess) -> None:
+    parent.join()
+    os._exit(1)
 
 
 def _ready() -> None:

@@ -123,5 +123,6 @@ def settings(database_url: str, broker_url: str, sim: SimServer, tmp_path: Path)
         data_dir=tmp_path / "data",
         servers=[ServerSpec(name="sim", url=sim.url)],
         worker_concurrency=16,
-        queue=f"eaglegen-test-{next(_counter)}",
+        # The pid too: two pytest sessions on one machine may pick the same Redis db.
+        queue=f"eaglegen-test-{os.getpid()}-{next(_counter)}",
     )

@@ -10,10 +10,12 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.signals import worker_shutting_down
+from sqlalchemy.exc import OperationalError
 
 from eaglegen.queue import TASK_GENERATE, BulkPublisher, make_celery
 from eaglegen.settings import ServerSpec, Settings
 from worker.background import Background
+from worker.retry import backoff
 from worker.runner import Outcome, WorkerContext, run_attempt
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,16 @@ def create_worker_app(
 
     @app.task(name=TASK_GENERATE, bind=True, max_retries=None, acks_late=True, shared=False)  # type: ignore[untyped-decorator]
     def generate(self: Task, job_id: int) -> str:
-        result = run_attempt(holder.get(), int(job_id))
+        ctx = holder.get()
+        try:
+            result = run_attempt(ctx, int(job_id))
+        except OperationalError as exc:
+            # Postgres unreachable (restart, failover): keep this job's message instead of
+            # acking it away with a failure, and ask again after a backoff.
+            log.warning("job %s: database unavailable (%s); retrying", job_id, exc.orig)
+            s = ctx.settings
+            delay = backoff(self.request.retries + 1, s.retry_base_s, s.retry_cap_s)
+            raise self.retry(countdown=delay) from None
         if result.outcome in _REQUEUE:
             # The job is `queued` in Postgres; this publishes its next message and acks ours.
             raise self.retry(countdown=result.retry_in_s)
@@ -120,6 +131,7 @@ def _on_shutdown(ctx: WorkerContext) -> None:
         ]
         publisher.publish(released)
         publisher.close()
+        ctx.router.release_all()  # else other workers lose these slots for slot_lease_seconds
         log.warning("grace period over: released %s running job(s): %s", len(released), released)
         # Celery's cold shutdown would still join the pool's threads, which wait on their
         # requests: leave now. Our messages stay unacked; Redis redelivers them later and

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from celery import Celery
 
 from eaglegen import keys
@@ -54,7 +55,10 @@ class Background:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5)
-        self.ctx.redis.delete(keys.heartbeat(socket.gethostname(), os.getpid()))
+        try:
+            self.ctx.redis.delete(keys.heartbeat(socket.gethostname(), os.getpid()))
+        except redis.RedisError:  # Redis down: the heartbeat expires by itself
+            log.warning("could not remove the heartbeat; it expires in a few beats")
         self._publisher.close()
 
     def _loop(self, name: str, interval_s: float, step: Callable[[], None]) -> None:
@@ -135,7 +139,7 @@ class Background:
     def reconcile_if_leader(self) -> None:
         """Run the reconciler when this worker holds (or wins) the Redis lock."""
         s = self.ctx.settings
-        key, ttl_ms = keys.reconciler_lock(), int(s.reconcile_interval_s * 2000)
+        key, ttl_ms = keys.reconciler_lock(s.queue), int(s.reconcile_interval_s * 2000)
         holder = self.ctx.redis.get(key)
         if holder is not None and holder not in (self.ctx.name, self.ctx.name.encode()):
             return

@@ -10,10 +10,12 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import redis
+from sqlalchemy.exc import OperationalError
 
 from eaglegen.settings import ServerSpec, Settings
 from models.db import make_engine
@@ -71,7 +73,9 @@ class WorkerContext:
         specs = servers if servers is not None else settings.servers
         if not specs:
             raise ValueError("no SGLang servers: set EAGLEGEN_SERVERS or pass --server URL")
-        engine = make_engine(settings.database_url, pool_size=min(settings.worker_concurrency, 32))
+        engine = make_engine(
+            settings.database_url, pool_size=min(settings.worker_concurrency, 32), async_commit=True
+        )
         client = redis.Redis.from_url(settings.broker_url)
         attached = [
             Server(
@@ -137,10 +141,25 @@ def _claimed_attempt(ctx: WorkerContext, job_id: int, lease: Lease) -> Result:
         return _settle_failure(ctx, lease.server, claim.job, error)
     finally:
         ctx.track(job_id, False)
-    if ctx.repo.record(job_id, ctx.name, record):
+    if _record(ctx, job_id, record):
         return Result(Outcome.DONE)
     log.warning("job %s: claim lost before recording; result dropped", job_id)
     return Result(Outcome.LOST)
+
+
+def _record(ctx: WorkerContext, job_id: int, record: GenerationRecord) -> bool:
+    """Store a generation, waiting out a database outage of up to one lease period: the
+    output cost a generation, and the claim check keeps a late record from counting twice."""
+    deadline = time.monotonic() + ctx.settings.lease_seconds
+    attempt = 0
+    while True:
+        try:
+            return ctx.repo.record(job_id, ctx.name, record)
+        except OperationalError:
+            attempt += 1
+            if time.monotonic() >= deadline or ctx.stopping.is_set():
+                raise
+            time.sleep(max(0.05, backoff(attempt, ctx.settings.retry_base_s, 1.0)))
 
 
 def _generate(server: Server, job: ClaimedJob) -> GenerationRecord:

@@ -83,6 +83,14 @@ class Router:
             lease.server.held.discard(lease.token)
         self._slots.release(lease.server.name, lease.token)
 
+    def release_all(self) -> None:
+        """Give back every slot this process holds (it is about to exit)."""
+        for server in self.servers:
+            with self._lock:
+                tokens, server.held = list(server.held), set()
+            for token in tokens:
+                self._slots.release(server.name, token)
+
     def renew(self) -> None:
         """Keep this process's leases alive (called periodically)."""
         for server in self.servers:

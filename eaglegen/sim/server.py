@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive
@@ -252,7 +252,10 @@ async def generate_endpoint(request: Request) -> Response:
     """POST /generate: one prompt or a batch, answered when the simulated model finishes."""
     service = _service(request)
     # Read the whole request first: a drop then hits a client waiting for its answer.
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # the client died mid-request (a killed worker)
+        return Response(status_code=499)
     # Faults are decided before parsing and scheduling, so a faulted call costs no KV.
     decision = service.faults.decide()
     if decision.delay_s > 0:

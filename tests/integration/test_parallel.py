@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,3 +108,61 @@ def test_enqueue_with_workers_stores_what_in_process_stores(
     pooled, in_process = sorted(jobs)  # the pooled run's dataset was created first
     assert jobs[pooled] == jobs[in_process] and len(jobs[pooled]) > 250
     assert repo.rejected_rows(pooled) == repo.rejected_rows(in_process) != []
+
+
+MAIN = textwrap.dedent("""
+    import sys
+    from eaglegen.assets import TOKENIZER_DIR
+    from producer.parallel import Preparer
+    from producer.rows import RawRow
+    from producer.template import Templater
+
+    if __name__ == "__main__":
+        preparer = Preparer(Templater(TOKENIZER_DIR), 2)
+        batches = [[RawRow(i, {"prompt": f"hi {i}"})] for i in range(4)]
+        for future in [preparer.submit(batch, None, 16) for batch in batches]:
+            future.result()
+        print("ready", flush=True)
+        sys.stdin.read()
+""")
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and running(int(entry.name)):
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_leave_when_the_main_process_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "main.py"
+    script.write_text(MAIN)
+    with subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as main:
+        try:
+            assert main.stdout is not None and main.stdout.readline().strip() == "ready"
+            helpers = descendants(main.pid)
+            assert len(helpers) >= 3  # the fork server and two workers
+        finally:
+            main.kill()  # no clean-up runs: the pool is never shut down
+    deadline = time.monotonic() + 30
+    while any(map(running, helpers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, helpers))
