@@ -5,9 +5,13 @@ rate: enqueue rate of N short chat prompts (read, validate, template, tokenize, 
       rendered prompts, measured in the same run (bare, enqueue, bare; mean of the bares).
 rss:  peak RSS of a process enqueueing N prompts, for several N, each in a fresh process;
       with worker processes, also the largest worker's peak and the sum of all peaks.
+stages: CPU per prompt of each stage of the enqueue run alone, in this process, and of the
+      Postgres and Redis servers for the insert and publish: the budget that bounds the
+      ratio when every process shares the same cores.
 
 Usage: python -m bench.enqueue rate [--prompts 200000] [--workers N ...]
        python -m bench.enqueue rss [--sizes 100000 1000000] [--workers N]
+       python -m bench.enqueue stages [--prompts 50000]
 --workers: template in N worker processes (0: in-process); several values are measured
 interleaved in one run. Default: what `eaglegen enqueue` does (one per core, for long inputs).
 Services: --database-url/--broker-url (default: this machine's Postgres and Redis).
@@ -16,6 +20,7 @@ Services: --database-url/--broker-url (default: this machine's Postgres and Redi
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -24,15 +29,26 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
+
+import psycopg
+import redis
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
 from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.queue import BulkPublisher
 from eaglegen.settings import Settings
+from models.db import make_engine
+from models.records import DatasetSpec, JobBatch, RunSpec
+from models.repository import Repository
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan
+from producer.prepare import Rendered, build_jobs
 from producer.readers import iter_rows
-from producer.rows import to_prompt
+from producer.rows import Prompt, RawRow, to_prompt
 from producer.template import Templater
 
 PG = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -171,12 +187,157 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
+def stages(prompts: int, admin_url: str, broker: str) -> None:
+    """Print each stage's CPU per prompt (this process's, plus the servers' where they work)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_short_prompts(Path(tmp) / "prompts.jsonl", prompts)
+        templater = Templater(TOKENIZER_DIR)
+        database = scratch_database(admin_url, "eaglegen_bench_stages")
+        redis_url = scratch_redis(broker, 14)
+        costs = stage_costs(path, templater, database, redis_url)
+    tokenizer = costs["tokenize (Rust, fast variant)"]
+    total = sum(costs.values())
+    print(f"{prompts:,} prompts; CPU per prompt of each stage, one stage at a time:")
+    for name, micros in costs.items():
+        print(f"  {name:<38} {micros:6.1f} us")
+    print(f"  {'all stages':<38} {total:6.1f} us")
+    print(
+        f"tokenizer share of all CPU: {tokenizer / total:.2f}  (the enqueue/bare ratio cannot"
+        " exceed it where all processes share the same cores)"
+    )
+
+
+def stage_costs(path: Path, templater: Templater, database: str, broker: str) -> dict[str, float]:
+    """CPU microseconds per prompt of each enqueue stage, each run alone over all prompts."""
+    clock = _StageClock()
+    lines = clock.run("read lines", lambda: list(iter_rows(path, decode=False)))
+    n = len(lines)
+    rows = clock.run("decode JSON", lambda: [r.decoded() for r in lines])
+    chats = clock.run("validate rows", lambda: [to_prompt(r.value) for r in rows])
+    texts = clock.run(
+        "render (apply_chat_template)", lambda: _batched(templater.render_many, chats)
+    )
+    ids = clock.run(
+        "tokenize (Rust, fast variant)", lambda: _batched(templater.encode_batch, texts)
+    )
+    jobs = clock.run(
+        "build jobs (pack, sha256, JSON)", lambda: _job_batches(rows, chats, texts, ids)
+    )
+    engine = make_engine(database)
+    repo = Repository(engine)
+    run_id = repo.ensure_run(RunSpec("stages", "t", "t", "c", "m"))
+    dataset_id = repo.ensure_dataset(run_id, DatasetSpec("d", "s", {}))
+    with _server_cpu(database, broker) as servers:
+        new = clock.run(
+            "insert (COPY, client)", lambda: [repo.insert_jobs(dataset_id, b) for b in jobs]
+        )
+        clock.costs["insert (Postgres server)"] = servers.postgres()
+        publisher = BulkPublisher(broker, "bench-stages")
+        clock.run("publish (envelopes, LPUSH)", lambda: [publisher.publish(ids) for ids in new])
+        clock.costs["publish (Redis server)"] = servers.redis()
+    publisher.close()
+    engine.dispose()
+    return {name: seconds / n * 1e6 for name, seconds in clock.costs.items()}
+
+
+class _StageClock:
+    """Runs stages and keeps the CPU seconds (all threads of this process) each took."""
+
+    def __init__(self) -> None:
+        self.costs: dict[str, float] = {}
+
+    def run(self, name: str, stage: Callable[[], T]) -> T:
+        # The collector off: here every stage's output stays alive, and full collections
+        # over it would be charged to the stage; the enqueue frees each batch as it goes.
+        gc.disable()
+        try:
+            start = time.process_time()
+            result = stage()
+            self.costs[name] = time.process_time() - start
+        finally:
+            gc.enable()
+        return result
+
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+def _batched(fn: Callable[[list[T]], list[U]], items: list[T]) -> list[U]:
+    return [out for i in range(0, len(items), BATCH) for out in fn(items[i : i + BATCH])]
+
+
+def _job_batches(
+    rows: list[RawRow], chats: list[Prompt], texts: list[str], ids: list[list[int]]
+) -> list[JobBatch]:
+    """The jobs as the producer builds them, batch by batch."""
+    rendered = list(zip(rows, chats, texts, strict=True))
+    return [
+        build_jobs(Rendered(rendered[i : i + BATCH], []), ids[i : i + BATCH], None, 0).jobs
+        for i in range(0, len(rendered), BATCH)
+    ]
+
+
+class _ServerClock:
+    """CPU seconds the Postgres backend and the Redis server spent since the last reading."""
+
+    def __init__(self, database: str, broker: str) -> None:
+        self._redis = redis.Redis.from_url(broker)
+        self._pg = psycopg.connect(database.replace("postgresql+psycopg", "postgresql", 1))
+        self._last_pg = self._backends_cpu()
+        self._last_redis = self._redis_cpu()
+
+    def postgres(self) -> float:
+        now = self._backends_cpu()
+        spent, self._last_pg = now - self._last_pg, now
+        return spent
+
+    def redis(self) -> float:
+        now = self._redis_cpu()
+        spent, self._last_redis = now - self._last_redis, now
+        return spent
+
+    def close(self) -> None:
+        self._pg.close()
+        self._redis.close()
+
+    def _backends_cpu(self) -> float:
+        """CPU of the server processes of this database (Linux /proc), excluding this probe."""
+        pids = self._pg.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid()"
+        ).fetchall()
+        return sum(_process_cpu(pid) for (pid,) in pids)
+
+    def _redis_cpu(self) -> float:
+        info = self._redis.info("cpu")
+        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+@contextmanager
+def _server_cpu(database: str, broker: str) -> Iterator[_ServerClock]:
+    clock = _ServerClock(database, broker)
+    try:
+        yield clock
+    finally:
+        clock.close()
+
+
+def _process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process, from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     """CLI entry point."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("mode", choices=["rate", "rss", "rss-child"])
+    parser.add_argument("mode", choices=["rate", "rss", "rss-child", "stages"])
     parser.add_argument("args", nargs="*")
     parser.add_argument("--prompts", type=int, default=200_000)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
@@ -186,6 +347,8 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.mode == "rate":
         rate(ns.prompts, ns.database_url, ns.broker_url, ns.workers)
+    elif ns.mode == "stages":
+        stages(ns.prompts, ns.database_url, ns.broker_url)
     elif ns.mode == "rss":
         rss(ns.sizes, ns.database_url, ns.broker_url, ns.workers[0])
     else:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +51,63 @@ class NewJob:
         # Computed once here: the hash and the insert both need the packed bytes.
         packed = pack(self.input_ids)
         object.__setattr__(self, "packed", packed)
-        object.__setattr__(self, "prompt_sha256", hashlib.sha256(packed).hexdigest())
+        object.__setattr__(self, "prompt_sha256", prompt_sha256(packed))
+
+
+def prompt_sha256(packed: bytes) -> str:
+    """A prompt's identity: the hash of exactly the ids the model sees (packed)."""
+    return hashlib.sha256(packed).hexdigest()
+
+
+@dataclass
+class JobBatch:
+    """New jobs as parallel columns: what the insert copies, and cheap to pickle.
+
+    The producer builds these in worker processes; one list per column pickles in a few
+    calls where a list of objects pickles object by object.
+    """
+
+    row_index: list[int] = field(default_factory=list)
+    prompt_sha256: list[str] = field(default_factory=list)
+    packed_ids: list[bytes] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    messages_json: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, jobs: Iterable[NewJob]) -> JobBatch:
+        """The columns of ``jobs``, in order."""
+        batch = cls()
+        for job in jobs:
+            batch.add(
+                job.row_index,
+                job.prompt_sha256,
+                job.packed,
+                len(job.input_ids),
+                json.dumps(job.messages, ensure_ascii=False),
+            )
+        return batch
+
+    def add(self, row_index: int, sha256: str, packed: bytes, tokens: int, messages: str) -> None:
+        """Append one job."""
+        self.row_index.append(row_index)
+        self.prompt_sha256.append(sha256)
+        self.packed_ids.append(packed)
+        self.prompt_tokens.append(tokens)
+        self.messages_json.append(messages)
+
+    def __len__(self) -> int:
+        return len(self.row_index)
+
+    def rows(self) -> Iterator[tuple[int, str, bytes, int, str]]:
+        """One tuple per job, in column order."""
+        return zip(
+            self.row_index,
+            self.prompt_sha256,
+            self.packed_ids,
+            self.prompt_tokens,
+            self.messages_json,
+            strict=True,
+        )
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 from typing import Any, Protocol
 
 from eaglegen.queue import BulkPublisher
-from models.records import DatasetSpec, NewJob, RunSpec
+from models.records import DatasetSpec, JobBatch, RunSpec
 from models.repository import Repository
-from producer.parallel import Preparer, default_workers
+from producer.parallel import AUTO_START_BYTES, AUTO_START_ROWS, Preparer, default_workers
 from producer.plan import DatasetPlan, RunPlan
 from producer.prepare import Prepared
 from producer.readers import detect_format, iter_rows
@@ -68,7 +69,7 @@ class DrySink:
 
     def write(self, prepared: Prepared) -> int:
         before = len(self.seen)
-        self.seen.update(bytes.fromhex(job.prompt_sha256)[:16] for job in prepared.jobs)
+        self.seen.update(bytes.fromhex(sha)[:16] for sha in prepared.jobs.prompt_sha256)
         return len(self.seen) - before
 
 
@@ -139,7 +140,7 @@ def enqueue_run(
     sinks = _sinks(plan, templater, params, repo, publisher)
     report = RunReport(run=plan.run, dry_run=repo is None, datasets=[])
     preparer = (
-        Preparer(templater, default_workers(), auto=True)
+        Preparer(templater, default_workers(), start_after_rows=_pool_start_rows(plan))
         if workers is None
         else Preparer(templater, workers)
     )
@@ -154,6 +155,19 @@ def enqueue_run(
             enqueue_dataset(preparer, plan, dataset, sinks[dataset.name], stats, progress)
             report.datasets.append(stats)
     return report
+
+
+def _pool_start_rows(plan: RunPlan) -> int:
+    """Rows after which worker processes start: none for a big input, else enough to pay."""
+    size = sum(_bytes_on_disk(d.path) for d in plan.datasets)
+    return 0 if size >= AUTO_START_BYTES else AUTO_START_ROWS
+
+
+def _bytes_on_disk(path: Path) -> int:
+    """A file's size, or the sum of the files in a folder."""
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
 
 
 @contextmanager
@@ -212,7 +226,9 @@ def enqueue_dataset(
     Batches are prepared ahead (in worker processes when the preparer has them); writing
     (Postgres insert, Redis publish) runs on one background thread, in order, meanwhile.
     """
-    rows = select_rows(iter_rows(dataset.path, dataset.fmt), dataset.limit, dataset.sample_seed)
+    # Rows stay undecoded here: decoding is part of preparing, which may run in workers.
+    rows = iter_rows(dataset.path, dataset.fmt, decode=False)
+    rows = select_rows(rows, dataset.limit, dataset.sample_seed)
     preparing: deque[tuple[int, Future[Prepared]]] = deque()
     writing: deque[tuple[int, Prepared, Future[int]]] = deque()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="enqueue-writer") as writer:
@@ -248,7 +264,7 @@ def _account(
     stats.accepted += new
     stats.duplicates += rows - len(prepared.rejections) - new
     stats.rejected_by_reason.update(r.reason for r in prepared.rejections)
-    stats.prompt_lengths.extend(len(job.input_ids) for job in prepared.jobs)
+    stats.prompt_lengths.extend(prepared.jobs.prompt_tokens)
     # Prompt tokens of new jobs only matter for the 'total' basis; when some were
     # duplicates, count the batch's share.
     stats.accepted_prompt_tokens += _new_share(prepared.jobs, new)
@@ -256,10 +272,10 @@ def _account(
         progress(dataset, rows)
 
 
-def _new_share(jobs: list[NewJob], new: int) -> int:
+def _new_share(jobs: JobBatch, new: int) -> int:
     if not jobs:
         return 0
-    return round(sum(len(j.input_ids) for j in jobs) * new / len(jobs))
+    return round(sum(jobs.prompt_tokens) * new / len(jobs))
 
 
 def select_rows(rows: Iterable[RawRow], limit: int | None, seed: int | None) -> Iterator[RawRow]:

@@ -24,8 +24,10 @@ from producer.rows import RawRow, RowError
 from producer.template import Templater
 
 # Starting the pool costs about a second of CPU per worker (importing transformers), repaid
-# only by long inputs: without an explicit worker count the pool starts after this many rows.
+# only by long inputs: without an explicit worker count the pool starts after this many rows,
+# or at once for inputs of AUTO_START_BYTES or more (about as many short chat rows in JSONL).
 AUTO_START_ROWS = 32_768
+AUTO_START_BYTES = 8 << 20
 # Imported once by the fork server, so each worker forked from it starts in milliseconds.
 _PRELOAD = ("producer.parallel", "transformers.models.auto.tokenization_auto")
 
@@ -44,15 +46,18 @@ class Preparer:
 
     Here, a batch is rendered in the caller's thread and tokenized on a helper thread (the
     Rust tokenizer releases the GIL), so the next batch renders meanwhile; in the pool, each
-    worker does both. With ``auto``, the pool starts only once AUTO_START_ROWS rows were seen,
-    and batches are prepared here until a worker has loaded its tokenizer, so short inputs
-    never pay for the pool and long ones overlap its start-up with work.
+    worker does both. With ``start_after_rows``, the pool starts only once that many rows were
+    seen, and batches are prepared here until a worker has loaded its tokenizer, so short
+    inputs never pay for the pool and long ones overlap its start-up with work. Without it,
+    the pool starts at once and every batch waits for it.
     """
 
-    def __init__(self, templater: Templater, workers: int = 0, *, auto: bool = False) -> None:
+    def __init__(
+        self, templater: Templater, workers: int = 0, *, start_after_rows: int | None = None
+    ) -> None:
         self.templater = templater
         self.workers = workers
-        self.auto = auto
+        self.start_after_rows = start_after_rows
         self._rows = 0
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="enqueue-tokenize")
         self._pool: ProcessPoolExecutor | None = None
@@ -70,10 +75,11 @@ class Preparer:
     ) -> Future[Prepared]:
         """Start preparing ``batch``; the future holds its jobs and rejections."""
         self._rows += len(batch)
-        long_enough = not self.auto or self._rows > AUTO_START_ROWS
+        auto = self.start_after_rows is not None
+        long_enough = not auto or self._rows > (self.start_after_rows or 0)
         if self._pool is None and self.workers > 0 and long_enough:
             self._start_pool()
-        if self._pool is not None and (not self.auto or any(r.done() for r in self._ready)):
+        if self._pool is not None and (not auto or any(r.done() for r in self._ready)):
             wire = [_to_wire(raw) for raw in batch]
             return self._pool.submit(_prepare_batch, wire, max_context_len, max_new_tokens)
         if not self.templater.is_fast:  # a Python tokenizer holds the GIL: nothing to overlap
@@ -106,7 +112,7 @@ class Preparer:
             initializer=_start_worker,
             initargs=(templater.path, templater.trust_remote_code, templater.template_kwargs),
         )
-        if self.auto:  # one no-op task per worker: once one is done, a worker is ready
+        if self.start_after_rows is not None:  # a no-op task per worker: done once it is ready
             self._ready = [self._pool.submit(_ready) for _ in range(self.workers)]
 
 
@@ -164,17 +170,18 @@ def _prepare_batch(
 
 # A RawRow as sent to a worker: RowError's constructor takes (reason, detail), which the
 # default pickling of exceptions does not pass back, so the error travels as its two parts.
-_WireRow = tuple[int, Any, str | None, str, str]
+# JSON Lines rows travel undecoded: bytes pickle far cheaper than the objects they hold.
+_WireRow = tuple[int, Any, str | None, str, str, bytes | None]
 
 
 def _to_wire(raw: RawRow) -> _WireRow:
     error = raw.error
     if error is None:
-        return (raw.index, raw.value, None, "", raw.excerpt)
-    return (raw.index, raw.value, error.reason, error.detail, raw.excerpt)
+        return (raw.index, raw.value, None, "", raw.excerpt, raw.line)
+    return (raw.index, raw.value, error.reason, error.detail, raw.excerpt, raw.line)
 
 
 def _from_wire(row: _WireRow) -> RawRow:
-    index, value, reason, detail, excerpt = row
+    index, value, reason, detail, excerpt, line = row
     error = None if reason is None else RowError(reason, detail)
-    return RawRow(index, value, error, excerpt)
+    return RawRow(index, value, error, excerpt, line)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
-from models.records import NewJob, Rejection
+from models.records import JobBatch, Rejection, prompt_sha256
+from models.tokens import pack
 from producer.rows import Prompt, RawRow, RowError, to_prompt
 from producer.template import Templater
 
@@ -18,7 +18,7 @@ from producer.template import Templater
 class Prepared:
     """A batch after validation and templating."""
 
-    jobs: list[NewJob]
+    jobs: JobBatch
     rejections: list[Rejection]
 
 
@@ -41,7 +41,7 @@ def render(templater: Templater, batch: list[RawRow]) -> Rendered:
     """Validate and render a batch (Python work: it holds the GIL)."""
     rejections: list[Rejection] = []
     valid: list[tuple[RawRow, Prompt]] = []
-    for raw in batch:
+    for raw in map(RawRow.decoded, batch):
         try:
             if raw.error is not None:
                 raise raw.error
@@ -63,18 +63,32 @@ def tokenize(
     templater: Templater, rendered: Rendered, max_context_len: int | None, max_new_tokens: int
 ) -> Prepared:
     """Tokenize rendered prompts (the Rust tokenizer releases the GIL) and build the jobs."""
-    rejections = list(rendered.rejections)
-    jobs: dict[str, NewJob] = {}
     encoded = templater.encode_batch([text for _, _, text in rendered.rows])
+    return build_jobs(rendered, encoded, max_context_len, max_new_tokens)
+
+
+def build_jobs(
+    rendered: Rendered,
+    encoded: list[list[int]],
+    max_context_len: int | None,
+    max_new_tokens: int,
+) -> Prepared:
+    """The jobs of tokenized prompts; too long ones are rejected, repeats kept once."""
+    rejections = list(rendered.rejections)
+    jobs = JobBatch()
+    seen: set[str] = set()
     for (raw, prompt, _), input_ids in zip(rendered.rows, encoded, strict=True):
         too_long = _too_long(len(input_ids), max_context_len, max_new_tokens)
         if too_long is not None:
             rejections.append(Rejection(raw.index, too_long.reason, excerpt(raw, too_long)))
             continue
-        job = NewJob(raw.index, input_ids, _messages(prompt))
+        packed = pack(input_ids)
+        sha256 = prompt_sha256(packed)
         # A prompt repeated inside one batch is one job; the database dedups across batches.
-        jobs.setdefault(job.prompt_sha256, job)
-    return Prepared(list(jobs.values()), rejections)
+        if sha256 not in seen:
+            seen.add(sha256)
+            jobs.add(raw.index, sha256, packed, len(input_ids), _messages_json(prompt))
+    return Prepared(jobs, rejections)
 
 
 def _too_long(prompt_tokens: int, max_context_len: int | None, max_new: int) -> RowError | None:
@@ -87,8 +101,9 @@ def _too_long(prompt_tokens: int, max_context_len: int | None, max_new: int) -> 
     )
 
 
-def _messages(prompt: Prompt) -> dict[str, Any]:
-    return {"messages": prompt.messages, "tools": prompt.tools}
+def _messages_json(prompt: Prompt) -> str:
+    """What the job stores of its prompt: the messages and tools the template received."""
+    return json.dumps({"messages": prompt.messages, "tools": prompt.tools}, ensure_ascii=False)
 
 
 def excerpt(raw: RawRow, err: RowError) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from producer.rows import RawRow, RowError
+from producer.rows import RawRow
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
 SUPPORTED = (
@@ -42,18 +42,21 @@ CHUNK_CHARS = 1 << 20
 SNIFF_BYTES = 1 << 20
 # A single JSON value this long means a corrupt file; bounds what a bad file can buffer.
 MAX_VALUE_CHARS = 64 << 20
-EXCERPT_CHARS = 200
 
 
 class InputError(ValueError):
     """A dataset that cannot be read at all; raised before any of its rows is yielded."""
 
 
-def iter_rows(path: Path, fmt: str | None = None) -> Iterator[RawRow]:
-    """Stream the rows of ``path`` with stable 0-based indexes; unreadable input: InputError."""
+def iter_rows(path: Path, fmt: str | None = None, *, decode: bool = True) -> Iterator[RawRow]:
+    """Stream the rows of ``path`` with stable 0-based indexes; unreadable input: InputError.
+
+    With ``decode=False`` JSON Lines rows come undecoded (see `RawRow.decoded`).
+    """
     # Raised at this call for a missing, unreadable or unknown input; a JSON document that
     # breaks off mid-array cannot be resynchronised, so it raises where it breaks.
-    return _READERS[detect_format(path, fmt)](path)
+    rows = _READERS[detect_format(path, fmt)](path)
+    return (row.decoded() for row in rows) if decode else rows
 
 
 def detect_format(path: Path, fmt: str | None = None) -> str:
@@ -134,21 +137,11 @@ def _next_nonblank_line(handle: io.BufferedIOBase) -> bytes | None:
 
 
 def _read_jsonl(path: Path) -> Iterator[RawRow]:
-    """One row per non-blank line; the index is the line number minus one."""
+    """One undecoded row per non-blank line; the index is the line number minus one."""
     with _open_binary(path) as handle:
         for index, line in enumerate(handle):
             if line.strip():
-                yield _jsonl_row(index, line)
-
-
-def _jsonl_row(index: int, line: bytes) -> RawRow:
-    """A parsed line, or an ``invalid_json`` row carrying the line as its excerpt."""
-    try:
-        return RawRow(index, json.loads(line))
-    except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError for non-UTF-8 bytes
-        why = f"{exc.msg} (column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else exc
-        error = RowError("invalid_json", f"line {index + 1}: {why}")
-        return RawRow(index, error=error, excerpt=line.decode("utf-8", "replace")[:EXCERPT_CHARS])
+                yield RawRow(index, line=line)
 
 
 class _JsonStream:

@@ -7,6 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+# Characters of an undecodable line kept as its excerpt.
+EXCERPT_CHARS = 200
+
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 # ShareGPT speaker names found in the wild (compared lower-cased), mapped to chat roles.
@@ -47,12 +50,31 @@ class Prompt:
 
 @dataclass(frozen=True)
 class RawRow:
-    """One row as read: its index, and either the parsed object or the parse error."""
+    """One row as read: its index, and either the parsed object or the parse error.
+
+    A JSON Lines row may still be its undecoded ``line``: decoding is CPU work that belongs
+    where the row is prepared (a worker process), and bytes are cheaper to send there.
+    """
 
     index: int
     value: Any = None
     error: RowError | None = None
     excerpt: str = ""
+    line: bytes | None = None
+
+    def decoded(self) -> RawRow:
+        """This row with its line decoded (itself when there is no line)."""
+        return self if self.line is None else decode_line(self.index, self.line)
+
+
+def decode_line(index: int, line: bytes) -> RawRow:
+    """A JSON Lines row parsed, or an ``invalid_json`` row carrying the line as its excerpt."""
+    try:
+        return RawRow(index, json.loads(line))
+    except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError for non-UTF-8 bytes
+        why = f"{exc.msg} (column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else exc
+        error = RowError("invalid_json", f"line {index + 1}: {why}")
+        return RawRow(index, error=error, excerpt=line.decode("utf-8", "replace")[:EXCERPT_CHARS])
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import ChainMap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ class Templater:
         if not self.tokenizer.chat_template:
             raise ValueError(f"{tokenizer_path}: the tokenizer has no chat template")
         self.template_kwargs = dict(template_kwargs or {})
+        _flatten_template_globals(self.tokenizer.chat_template)
         # Slow (pure-Python or remote-code) tokenizers have no Rust backend.
         self._backend: Any = getattr(self.tokenizer, "backend_tokenizer", None)
 
@@ -106,10 +108,10 @@ class Templater:
             return []
         if self._backend is not None:
             # The Rust tokenizer directly: transformers' per-encoding conversion to
-            # Python dicts cost as much as the tokenization.
-            return [
-                e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)
-            ]
+            # Python dicts cost as much as the tokenization. The fast variant skips the
+            # character offsets (same ids, ~15% less CPU); older tokenizers lack it.
+            encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+            return [e.ids for e in encode(list(texts), add_special_tokens=False)]
         encoded = self.tokenizer(list(texts), add_special_tokens=False)
         return [list(ids) for ids in encoded["input_ids"]]
 
@@ -153,3 +155,23 @@ class Templater:
         template = self.tokenizer.chat_template
         text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _flatten_template_globals(chat_template: str | dict[str, str]) -> None:
+    """Make the globals of each compiled chat template a plain dict.
+
+    Jinja builds every render's context by copying the template's globals, a ChainMap over
+    the environment's that it iterates in Python: a third of rendering a short prompt. A dict
+    with the same entries looks up the same values and copies in C. transformers caches the
+    compiled template, so its own apply_chat_template then renders with the flat globals;
+    where its private cache is not there, rendering is only slower.
+    """
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return
+    texts = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
+    for text in texts:
+        compiled = _compile_jinja_template(text)
+        if isinstance(compiled.globals, ChainMap):
+            compiled.globals = dict(compiled.globals)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import uuid
 from typing import Any
 
 import redis
@@ -46,3 +47,16 @@ def test_every_envelope_has_fresh_ids() -> None:
     assert first["headers"]["id"] != second["headers"]["id"]
     assert first["properties"]["delivery_tag"] != second["properties"]["delivery_tag"]
     assert first["properties"]["delivery_info"]["routing_key"] == 'we"ird%q'
+
+
+def test_task_ids_and_delivery_tags_are_unique_and_uuid_shaped() -> None:
+    # kombu keys a worker's unacked messages by delivery tag: two alike would lose one.
+    seen: set[str] = set()
+    for factory in (EnvelopeFactory("q", "h:1"), EnvelopeFactory("q", "h:1")):
+        for job_id in (7, 7, 8):  # the same job published twice gets new ids too
+            message = json.loads(factory(job_id))
+            ids = (message["headers"]["id"], message["properties"]["delivery_tag"])
+            for value in ids:
+                assert str(uuid.UUID(value)) == value
+            seen.update(ids)
+    assert len(seen) == 12

@@ -46,7 +46,7 @@ def flat(prepared: list[Prepared]) -> list[tuple[Any, ...]]:
     """Everything a batch hands on, as plain comparable values."""
     out: list[tuple[Any, ...]] = []
     for p in prepared:
-        out.extend(("job", j.row_index, j.input_ids, j.prompt_sha256, j.messages) for j in p.jobs)
+        out.extend(("job", *job) for job in p.jobs.rows())
         out.extend(("rejected", r.row_index, r.reason, r.excerpt) for r in p.rejections)
         out.append(("end of batch",))
     return out
@@ -54,7 +54,9 @@ def flat(prepared: list[Prepared]) -> list[tuple[Any, ...]]:
 
 def prepared_by(preparer: Preparer, path: Path, size: int) -> list[Prepared]:
     with preparer:
-        futures = [preparer.submit(b, 200, 64) for b in batches(iter_rows(path), size)]
+        # Undecoded rows, as the enqueue reads them: decoding happens where a batch goes.
+        rows = iter_rows(path, decode=False)
+        futures = [preparer.submit(b, 200, 64) for b in batches(rows, size)]
         return [f.result() for f in futures]
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from models.db import make_engine
-from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
+from models.records import DatasetSpec, GenerationRecord, JobBatch, NewJob, RunSpec
 from models.repository import DatasetMismatchError, Repository, RunMismatchError
 from models.states import JobState
 
@@ -119,6 +119,30 @@ def test_insert_is_idempotent_and_counts_by_state(repo: Repository) -> None:
     assert counts.total == 5
     assert counts.completion_tokens == 4
     assert counts.prompt_tokens == 15
+
+
+def test_insert_returns_new_ids_in_row_order_and_stores_each_column(repo: Repository) -> None:
+    dataset_id, first = make_dataset(repo, 0)
+    jobs = [
+        NewJob(i, [9, i, 70_000 + i], {"messages": [{"role": "user", "content": f"é{i}"}]})
+        for i in (4, 1, 3)
+    ]
+    ids = repo.insert_jobs(dataset_id, JobBatch.of(jobs))
+    assert first == [] and len(ids) == 3 and ids == sorted(ids)
+    stored = [repo.job(job_id) for job_id in ids]
+    assert [(j["row_index"], j["input_ids"], j["prompt_tokens"]) for j in stored if j] == [
+        (1, [9, 1, 70_001], 3),
+        (3, [9, 3, 70_003], 3),
+        (4, [9, 4, 70_004], 3),
+    ]
+    assert [j["messages"] for j in stored if j] == [
+        jobs[1].messages,
+        jobs[2].messages,
+        jobs[0].messages,
+    ]
+    # A batch mixing old and new prompts gets ids for the new ones only.
+    more = repo.insert_jobs(dataset_id, [jobs[0], NewJob(5, [9, 5], {})])
+    assert len(more) == 1 and repo.job(more[0])["row_index"] == 5  # type: ignore[index]
 
 
 def test_run_and_dataset_identity_is_enforced(repo: Repository) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from producer import readers
 from producer.readers import InputError, detect_format, iter_rows
+from producer.rows import RawRow
 
 ROWS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": 'brackets ] } [ { and "quotes"'}]},
@@ -46,6 +47,25 @@ def test_jsonl_skips_blank_lines_and_isolates_bad_lines(tmp_path: Path) -> None:
     assert bad_json.excerpt == "{not json\n"
     assert bad_bytes.error is not None and bad_bytes.error.reason == "invalid_json"
     assert bad_bytes.error.detail.startswith("line 5: ")
+
+
+def test_undecoded_jsonl_rows_decode_to_the_rows_read_decoded(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n\n{not json\n\xff\xfe\n[1]\n')
+    undecoded = list(iter_rows(path, decode=False))
+    assert [r.line for r in undecoded] == [
+        b'{"prompt": "a"}\n',
+        b"{not json\n",
+        b"\xff\xfe\n",
+        b"[1]\n",
+    ]
+    assert all(r.value is None and r.error is None for r in undecoded)
+
+    def plain(row: RawRow) -> tuple[Any, ...]:
+        error = None if row.error is None else (row.error.reason, row.error.detail)
+        return (row.index, row.value, error, row.excerpt, row.line)
+
+    assert [plain(r.decoded()) for r in undecoded] == [plain(r) for r in iter_rows(path)]
 
 
 def test_jsonl_gz(tmp_path: Path) -> None:
