@@ -71,12 +71,14 @@ def scratch_redis(base_url: str, db: int) -> str:
     return url
 
 
-def write_short_prompts(path: Path, n: int, seed: int = 0) -> Path:
-    """``n`` distinct short single-turn chat prompts as JSONL."""
+def write_short_prompts(
+    path: Path, n: int, seed: int = 0, words: tuple[int, int] = (6, 24)
+) -> Path:
+    """``n`` distinct single-turn chat prompts as JSONL, each of ``words`` (min, max) words."""
     rng = random.Random(seed)
     with path.open("w") as handle:
         for i in range(n):
-            words = " ".join(rng.choices(WORDS, k=rng.randint(6, 24)))
-            row = {"messages": [{"role": "user", "content": f"Task {i}: {words}."}]}
+            words_text = " ".join(rng.choices(WORDS, k=rng.randint(*words)))
+            row = {"messages": [{"role": "user", "content": f"Task {i}: {words_text}."}]}
             handle.write(json.dumps(row) + "\n")
     return path

@@ -9,7 +9,7 @@ stages: CPU per prompt of each stage of the enqueue run alone, in this process, 
       Postgres and Redis servers for the insert and publish: the budget that bounds the
       ratio when every process shares the same cores.
 
-Usage: python -m bench.enqueue rate [--prompts 200000] [--workers N ...]
+Usage: python -m bench.enqueue rate [--prompts 200000] [--workers N ...] [--words MIN MAX]
        python -m bench.enqueue rss [--sizes 100000 1000000] [--workers N]
        python -m bench.enqueue stages [--prompts 50000]
 --workers: template in N worker processes (0: in-process); several values are measured
@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -81,14 +81,20 @@ def enqueue_seconds(
     return elapsed
 
 
-def rate(prompts: int, admin_url: str, broker: str, workers: list[int | None]) -> None:
+def rate(
+    prompts: int,
+    admin_url: str,
+    broker: str,
+    workers: list[int | None],
+    words: tuple[int, int] = (6, 24),
+) -> None:
     """Print the enqueue/bare-tokenizer rate ratio of each worker setting.
 
     Each round runs bare, then one enqueue per setting, and the ratio of an enqueue is to the
     mean of the bares around it.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_short_prompts(Path(tmp) / "prompts.jsonl", prompts)
+        path = write_short_prompts(Path(tmp) / "prompts.jsonl", prompts, words=words)
         templater = Templater(TOKENIZER_DIR)
         texts = [templater.render(to_prompt(r.value)) for r in iter_rows(path)]
         print(f"{prompts:,} prompts, mean {sum(map(len, texts)) / len(texts):.0f} chars rendered")
@@ -129,8 +135,8 @@ def rss(sizes: list[int], admin_url: str, broker: str, workers: int | None) -> N
         print(
             f"{n:>9,} prompts: peak RSS {result['max_rss_mb']:.0f} MB"
             + (
-                f" (+ {len(helpers)} helper processes, largest {max(helpers):.0f} MB,"
-                f" all peaks together {result['max_rss_mb'] + sum(helpers):.0f} MB)"
+                f" (+ {len(helpers)} helper processes, largest RSS {max(helpers):.0f} MB;"
+                f" all processes together, PSS: {result['all_pss_mb']:.0f} MB)"
                 if helpers
                 else ""
             )
@@ -153,14 +159,25 @@ def rss_child(n: int, admin_url: str, broker: str, workers: int | None) -> None:
             stop.set()
             watcher.join()
     max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    doc = {"n": n, "max_rss_mb": max_rss_mb, "helper_rss_mb": list(peaks.values())}
+    together = peaks.pop(0, 0.0)
+    doc = {
+        "n": n,
+        "max_rss_mb": max_rss_mb,
+        "helper_rss_mb": list(peaks.values()),
+        "all_pss_mb": together,
+    }
     print(json.dumps({**doc, "seconds": seconds}))
 
 
 def _watch_descendants(peaks: dict[int, float], stop: threading.Event) -> None:
-    """Record the peak RSS (MB) of every process below this one until ``stop`` (Linux)."""
+    """Record peak memory (MB) until ``stop`` (Linux): each helper's RSS, and under the key 0
+    the largest PSS of this process and its helpers together, sampled at once. PSS splits
+    pages shared between processes (a fork server's imports) so they count once in the sum.
+    """
     while not stop.wait(0.5):
+        together = _pss_mb(os.getpid())
         for pid in _descendants(os.getpid()):
+            together += _pss_mb(pid)
             try:
                 status = Path(f"/proc/{pid}/status").read_text()
             except OSError:
@@ -168,6 +185,19 @@ def _watch_descendants(peaks: dict[int, float], stop: threading.Event) -> None:
             for line in status.splitlines():
                 if line.startswith("VmHWM:"):
                     peaks[pid] = max(peaks.get(pid, 0.0), int(line.split()[1]) / 1024)
+        peaks[0] = max(peaks.get(0, 0.0), together)
+
+
+def _pss_mb(pid: int) -> float:
+    """A process's proportional set size in MB (0 once it is gone)."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0.0
+    for line in rollup.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def _descendants(root: int) -> list[int]:
@@ -214,9 +244,10 @@ def stage_costs(path: Path, templater: Templater, database: str, broker: str) ->
     n = len(lines)
     rows = clock.run("decode JSON", lambda: [r.decoded() for r in lines])
     chats = clock.run("validate rows", lambda: [to_prompt(r.value) for r in rows])
-    texts = clock.run(
+    rendered = clock.run(
         "render (apply_chat_template)", lambda: _batched(templater.render_many, chats)
     )
+    texts = [str(text) for text in rendered]  # all render: these rows are valid
     ids = clock.run(
         "tokenize (Rust, fast variant)", lambda: _batched(templater.encode_batch, texts)
     )
@@ -263,7 +294,7 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 
-def _batched(fn: Callable[[list[T]], list[U]], items: list[T]) -> list[U]:
+def _batched(fn: Callable[[Sequence[T]], list[U]], items: list[T]) -> list[U]:
     return [out for i in range(0, len(items), BATCH) for out in fn(items[i : i + BATCH])]
 
 
@@ -340,13 +371,14 @@ def main() -> None:
     parser.add_argument("mode", choices=["rate", "rss", "rss-child", "stages"])
     parser.add_argument("args", nargs="*")
     parser.add_argument("--prompts", type=int, default=200_000)
+    parser.add_argument("--words", type=int, nargs=2, default=[6, 24], metavar=("MIN", "MAX"))
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--workers", type=_workers, nargs="+", default=[None])
     parser.add_argument("--database-url", default=PG)
     parser.add_argument("--broker-url", default=REDIS)
     ns = parser.parse_args()
     if ns.mode == "rate":
-        rate(ns.prompts, ns.database_url, ns.broker_url, ns.workers)
+        rate(ns.prompts, ns.database_url, ns.broker_url, ns.workers, tuple(ns.words))
     elif ns.mode == "stages":
         stages(ns.prompts, ns.database_url, ns.broker_url)
     elif ns.mode == "rss":

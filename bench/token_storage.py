@@ -12,7 +12,7 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import psycopg
 
@@ -77,7 +77,9 @@ def run(url: str, rows: int, tokens: int, rounds: int) -> None:
     )
 
 
-def _write(conn: psycopg.Connection[tuple[object, ...]], table: str, values: list[object]) -> None:
+def _write(
+    conn: psycopg.Connection[tuple[object, ...]], table: str, values: Sequence[object]
+) -> None:
     with conn.cursor() as cur:
         cur.executemany(f"INSERT INTO {table} (id, ids) VALUES (%s, %s)", list(enumerate(values)))
 

@@ -9,6 +9,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from eaglegen.config import load_settings, parse_servers, require_services
 
@@ -75,6 +76,14 @@ def enqueue(
     trust_remote_code: Annotated[bool, typer.Option(help="Allow tokenizer code")] = False,
     model: Annotated[str | None, typer.Option(help="Model name recorded on the run")] = None,
     dry_run: Annotated[bool, typer.Option(help="Read and template only; write nothing")] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Processes that template rows; 0: all in this one "
+            "(default: one per core, for inputs long enough to repay starting them)",
+        ),
+    ] = None,
     json_out: JsonFlag = False,
     database_url: DatabaseUrl = None,
     broker_url: BrokerUrl = None,
@@ -117,13 +126,15 @@ def enqueue(
             )
         if not dry_run:
             require_services(settings)
-        report = run_enqueue(settings, plan, dry_run=dry_run)
+        report = run_enqueue(settings, plan, dry_run=dry_run, workers=workers)
     except (ValueError, OSError) as exc:  # InputError is a ValueError
         fail(str(exc))
     if json_out:
         emit_json(report.as_dict())
     else:
         Console(stderr=True).print(enqueue_table(report))
+    for warning in report.warnings:
+        Console(stderr=True).print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
 
 
 @app.command(context_settings={"allow_extra_args": False})

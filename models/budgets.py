@@ -60,6 +60,11 @@ class BudgetQueries:
         with self.engine.connect() as conn:
             return [BudgetRow(*row) for row in conn.execute(stmt)]
 
+    def budget_of(self, dataset_id: int) -> int | None:
+        """A dataset's budget in tokens (None: unlimited)."""
+        with self.engine.connect() as conn:
+            return conn.scalar(select(Dataset.budget_tokens).where(Dataset.id == dataset_id))
+
     def set_budget(self, run: str | None, dataset: str, budget: int | None) -> list[int]:
         """Change a dataset's budget; jobs it no longer holds back are re-queued (their ids)."""
         with self.engine.begin() as conn:

@@ -115,7 +115,7 @@ class Repository(JobQueries, BudgetQueries, AuditQueries):
                 .on_conflict_do_nothing(index_elements=[Dataset.run_id, Dataset.name])
             )
             row = conn.execute(
-                select(Dataset.id, Dataset.sampling_params).where(
+                select(Dataset.id, Dataset.sampling_params, Dataset.budget_basis).where(
                     Dataset.run_id == run_id, Dataset.name == spec.name
                 )
             ).one()
@@ -123,6 +123,12 @@ class Repository(JobQueries, BudgetQueries, AuditQueries):
             raise DatasetMismatchError(
                 f"dataset {spec.name!r} already has jobs with sampling params "
                 f"{row.sampling_params}; start a new run (--run NEW_NAME) to change them"
+            )
+        if row.budget_basis != spec.budget_basis:
+            # The ledger has counted tokens on the stored basis; switching would mix two.
+            raise DatasetMismatchError(
+                f"dataset {spec.name!r} counts its budget on the {row.budget_basis!r} basis; "
+                "start a new run (--run NEW_NAME) to count on another"
             )
         return int(row.id)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from eaglegen.queue import BulkPublisher
+from models.budget import format_tokens
 from models.records import DatasetSpec, JobBatch, RunSpec
 from models.repository import Repository
 from producer.parallel import AUTO_START_BYTES, AUTO_START_ROWS, Preparer, default_workers
@@ -41,6 +42,11 @@ Progress = Callable[[str, int], None]
 class Sink(Protocol):
     """Where prepared batches go; returns how many jobs were new."""
 
+    @property
+    def budget_tokens(self) -> int | None:
+        """The dataset's budget in force (None: unlimited)."""
+        ...
+
     def write(self, prepared: Prepared) -> int: ...
 
 
@@ -51,6 +57,7 @@ class DatabaseSink:
     repo: Repository
     publisher: BulkPublisher
     dataset_id: int
+    budget_tokens: int | None
 
     def write(self, prepared: Prepared) -> int:
         new_ids = self.repo.insert_jobs(self.dataset_id, prepared.jobs)
@@ -65,6 +72,7 @@ class DatabaseSink:
 class DrySink:
     """Count what would be new without writing anything (16-byte digests keep memory small)."""
 
+    budget_tokens: int | None
     seen: set[bytes] = field(default_factory=set)
 
     def write(self, prepared: Prepared) -> int:
@@ -80,6 +88,7 @@ class RunReport:
     run: str
     dry_run: bool
     datasets: list[DatasetStats]
+    warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` document."""
@@ -88,6 +97,7 @@ class RunReport:
             "dry_run": self.dry_run,
             **totals(self.datasets),
             "datasets": {s.dataset: s.as_dict() for s in self.datasets},
+            "warnings": self.warnings,
         }
 
 
@@ -138,7 +148,8 @@ def enqueue_run(
     stop_ids = templater.stop_token_ids()
     params = {d.name: plan.sampling_params(d, stop_ids) for d in plan.datasets}
     sinks = _sinks(plan, templater, params, repo, publisher)
-    report = RunReport(run=plan.run, dry_run=repo is None, datasets=[])
+    report = RunReport(plan.run, dry_run=repo is None, datasets=[])
+    report.warnings.extend(_budget_warnings(plan, sinks))
     preparer = (
         Preparer(templater, default_workers(), start_after_rows=_pool_start_rows(plan))
         if workers is None
@@ -149,12 +160,25 @@ def enqueue_run(
             stats = DatasetStats(
                 dataset.name,
                 int(params[dataset.name]["max_new_tokens"]),
-                dataset.budget_tokens,
+                sinks[dataset.name].budget_tokens,
                 dataset.budget_basis,
             )
             enqueue_dataset(preparer, plan, dataset, sinks[dataset.name], stats, progress)
             report.datasets.append(stats)
     return report
+
+
+def _budget_warnings(plan: RunPlan, sinks: dict[str, Sink]) -> Iterator[str]:
+    """A dataset that exists keeps its budget: say so where this enqueue asked for another."""
+    for d in plan.datasets:
+        kept = sinks[d.name].budget_tokens
+        if kept != d.budget_tokens:
+            exact = "unlimited" if d.budget_tokens is None else str(d.budget_tokens)
+            yield (
+                f"dataset {d.name!r} keeps its budget {format_tokens(kept)} (this enqueue "
+                f"asked for {format_tokens(d.budget_tokens)}); to change it: "
+                f"eaglegen budget set --run {plan.run} {d.name} {exact}"
+            )
 
 
 def _pool_start_rows(plan: RunPlan) -> int:
@@ -195,7 +219,7 @@ def _sinks(
     publisher: BulkPublisher | None,
 ) -> dict[str, Sink]:
     if repo is None or publisher is None:
-        return {d.name: DrySink() for d in plan.datasets}
+        return {d.name: DrySink(d.budget_tokens) for d in plan.datasets}
     run_id = repo.ensure_run(run_spec(plan, templater))
     sinks: dict[str, Sink] = {}
     for d in plan.datasets:
@@ -209,7 +233,7 @@ def _sinks(
                 budget_basis=d.budget_basis.value,
             ),
         )
-        sinks[d.name] = DatabaseSink(repo, publisher, dataset_id)
+        sinks[d.name] = DatabaseSink(repo, publisher, dataset_id, repo.budget_of(dataset_id))
     return sinks
 
 

@@ -96,15 +96,14 @@ name = "chat"
 path = "chat.jsonl"
 budget_tokens = "50k"
 """)
-    result = eaglegen(
-        "enqueue",
-        str(tmp_path / "run.toml"),
-        "--dry-run",
-        "--json",
-        env={"EAGLEGEN_DATA_DIR": str(tmp_path)},
-    )
+    args = ["enqueue", str(tmp_path / "run.toml"), "--dry-run", "--json"]
+    env = {"EAGLEGEN_DATA_DIR": str(tmp_path)}
+    result = eaglegen(*args, env=env)
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
+    pooled = eaglegen(*args, "--workers", "2", env=env)  # templated in two worker processes
+    assert pooled.returncode == 0, pooled.stderr
+    assert json.loads(pooled.stdout) == document
     assert document["dry_run"] is True
     chat = document["datasets"]["chat"]
     assert (chat["accepted"], chat["rejected"]) == (30, 1)

@@ -152,6 +152,34 @@ def test_changing_sampling_params_is_refused(settings: Settings, tmp_path: Path)
     assert queue_length(settings) == 3
 
 
+def test_a_dataset_keeps_its_budget_and_the_enqueue_says_so(
+    settings: Settings, tmp_path: Path
+) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", sample_rows(4))
+
+    def enqueue(budget: int | None, basis: BudgetBasis = BudgetBasis.COMPLETION) -> Any:
+        sampling = {"max_new_tokens": 64}
+        plan = RunPlan(
+            run="r",
+            tokenizer=TOKENIZER_DIR,
+            datasets=[
+                DatasetPlan("d", path, sampling=sampling, budget_tokens=budget, budget_basis=basis)
+            ],
+        )
+        return run_enqueue(settings, plan, quiet=True).as_dict()
+
+    assert enqueue(1_000)["warnings"] == []
+    again = enqueue(2_500_000)
+    assert again["datasets"]["d"]["budget_tokens"] == 1_000  # the budget in force
+    assert again["warnings"] == [
+        "dataset 'd' keeps its budget 1.0k (this enqueue asked for 2.5M); "
+        "to change it: eaglegen budget set --run r d 2500000"
+    ]
+    with pytest.raises(ValueError, match="'completion' basis; start a new run"):
+        enqueue(1_000, BudgetBasis.TOTAL)
+    assert queue_length(settings) == 4
+
+
 def test_another_chat_template_is_refused(settings: Settings, tmp_path: Path) -> None:
     import json
     import shutil
