@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from eaglegen.queue import BulkPublisher
 from eaglegen.settings import Settings
@@ -13,7 +25,8 @@ from models.db import make_engine
 from models.repository import Repository
 from producer.enqueue import Progress as ProgressFn
 from producer.enqueue import RunReport, enqueue_run
-from producer.plan import RunPlan
+from producer.plan import DatasetPlan, RunPlan
+from producer.readers import count_rows
 from producer.template import Templater
 
 
@@ -67,12 +80,41 @@ def run_enqueue(
 def _with_progress(
     plan: RunPlan, quiet: bool, work: Callable[[ProgressFn], RunReport]
 ) -> RunReport:
+    """Run ``work`` with a bar per dataset; each gets its total once its rows are counted."""
     columns = (
         SpinnerColumn(),
         TextColumn("{task.description}"),
-        TextColumn("{task.completed:,} rows"),
+        BarColumn(),
+        TaskProgressColumn(),
+        MofNCompleteColumn(),
+        TextColumn("rows"),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True, disable=quiet) as bar:
+    with (
+        Progress(*columns, console=Console(stderr=True), transient=True, disable=quiet) as bar,
+        ThreadPoolExecutor(1, thread_name_prefix="enqueue-count") as counting,
+    ):
         tasks = {d.name: bar.add_task(f"enqueue {d.name}", total=None) for d in plan.datasets}
-        return work(lambda name, n: bar.advance(tasks[name], n))
+        if not quiet:
+            for d in plan.datasets:
+                counted = counting.submit(_expected_rows, d)
+                counted.add_done_callback(partial(_set_total, bar, tasks[d.name]))
+        try:
+            return work(lambda name, n: bar.advance(tasks[name], n))
+        finally:
+            counting.shutdown(wait=False, cancel_futures=True)
+
+
+def _expected_rows(dataset: DatasetPlan) -> int | None:
+    """The rows the enqueue will read of ``dataset``, if cheap to know."""
+    try:
+        rows = count_rows(dataset.path, dataset.fmt)
+    except (OSError, ValueError):  # the enqueue itself reports what is wrong with the input
+        return None
+    return rows if rows is None or dataset.limit is None else min(rows, dataset.limit)
+
+
+def _set_total(bar: Progress, task: TaskID, counted: Future[int | None]) -> None:
+    if not counted.cancelled() and counted.exception() is None:
+        bar.update(task, total=counted.result())

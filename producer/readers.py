@@ -59,6 +59,27 @@ def iter_rows(path: Path, fmt: str | None = None, *, decode: bool = True) -> Ite
     return (row.decoded() for row in rows) if decode else rows
 
 
+def count_rows(path: Path, fmt: str | None = None) -> int | None:
+    """About how many rows ``iter_rows`` yields, where that is cheap to know (progress bars).
+
+    JSON Lines: the lines (blank ones included); Parquet: the footer's count; a saved HF
+    dataset: its row count; a JSON document: None, known only by parsing all of it.
+    """
+    found = detect_format(path, fmt)
+    if found == "jsonl":
+        with _open_binary(path) as handle:
+            lines, last = 0, b""
+            while chunk := handle.read(CHUNK_CHARS):
+                lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+            return lines + (last not in (b"", b"\n"))  # a last line without a newline
+    if found == "parquet":
+        return int(_import("pyarrow.parquet", "parquet", "pyarrow").read_metadata(path).num_rows)
+    if found == "hf":
+        datasets = _import("datasets", "hf", "datasets")
+        return int(datasets.load_from_disk(str(_hf_split(path))).num_rows)
+    return None
+
+
 def detect_format(path: Path, fmt: str | None = None) -> str:
     """The format ``path`` is read as: the hint if given, else its name or folder contents."""
     if fmt is not None and fmt not in FORMATS:

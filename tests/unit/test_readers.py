@@ -186,6 +186,30 @@ def test_parquet_rows_are_plain_python_and_drop_filled_in_nulls(
     ]
 
 
+def test_count_rows_for_progress_bars(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    counts = {
+        "a.jsonl": (b'{"p": 1}\n{"p": 2}', 2),  # no newline after the last line
+        "b.jsonl": (b'{"p": 1}\n{"p": 2}\n', 2),
+        "c.jsonl": (b"", 0),
+        "d.json": (b'[{"p": 1}, {"p": 2}]', None),  # a document: unknown before parsing
+    }
+    for name, (content, _) in counts.items():
+        (tmp_path / name).write_bytes(content)
+    with gzip.open(tmp_path / "e.jsonl.gz", "wb") as handle:
+        handle.write(b'{"p": 1}\n' * 5)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "x"}] * 7), tmp_path / "f.parquet")
+    datasets.Dataset.from_list([{"prompt": "x"}] * 3).save_to_disk(str(tmp_path / "g"))
+    expected = {name: n for name, (_, n) in counts.items()} | {
+        "e.jsonl.gz": 5,
+        "f.parquet": 7,
+        "g": 3,
+    }
+    assert {name: readers.count_rows(tmp_path / name) for name in expected} == expected
+
+
 def test_parquet_that_is_not_parquet(tmp_path: Path) -> None:
     path = tmp_path / "d.parquet"
     path.write_text("not parquet")
