@@ -37,6 +37,8 @@ format: install
 
 bench: install
 	$(BIN)/python -m bench.token_storage
+	$(BIN)/python -m bench.enqueue stages --prompts 50000
+	$(BIN)/python -m bench.enqueue rate --prompts 200000
 
 clean:
 	rm -rf $(VENV) .eaglegen .pytest_cache .mypy_cache .ruff_cache
