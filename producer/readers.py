@@ -20,7 +20,9 @@ from producer.rows import RawRow
 FORMATS = ("jsonl", "json", "parquet", "hf")
 SUPPORTED = (
     "jsonl (.jsonl, .jsonl.gz), json (.json, .json.gz: an array of rows or an object with one"
-    " list field), parquet (.parquet), hf (a folder written by datasets' save_to_disk)"
+    " list field), parquet (.parquet), hf (a folder written by datasets' save_to_disk, a"
+    " folder of data files that datasets.load_dataset reads such as a Hub snapshot, or a .csv"
+    " or .arrow file)"
 )
 _SUFFIXES = {
     ".jsonl": "jsonl",
@@ -30,7 +32,13 @@ _SUFFIXES = {
     ".json": "json",
     ".json.gz": "json",
     ".parquet": "parquet",
+    ".csv": "hf",
+    ".arrow": "hf",
 }
+# Files only `datasets` reads here, and the load_dataset builder for each.
+_DATASETS_BUILDERS = {".csv": "csv", ".arrow": "arrow"}
+# What marks a folder as data files that load_dataset reads (it infers the builder from them).
+_DATA_FILE_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".json", ".json.gz", ".csv", ".arrow")
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _GZIP_MAGIC = b"\x1f\x8b"
 # Fields that make a JSON object one row rather than a container of rows.
@@ -63,7 +71,7 @@ def count_rows(path: Path, fmt: str | None = None) -> int | None:
     """About how many rows ``iter_rows`` yields, where that is cheap to know (progress bars).
 
     JSON Lines: the lines (blank ones included); Parquet: the footer's count; a saved HF
-    dataset: its row count; a JSON document: None, known only by parsing all of it.
+    dataset: its row count; a JSON document or files datasets streams: None.
     """
     found = detect_format(path, fmt)
     if found == "jsonl":
@@ -74,7 +82,7 @@ def count_rows(path: Path, fmt: str | None = None) -> int | None:
             return lines + (last not in (b"", b"\n"))  # a last line without a newline
     if found == "parquet":
         return int(_import("pyarrow.parquet", "parquet", "pyarrow").read_metadata(path).num_rows)
-    if found == "hf":
+    if found == "hf" and path.is_dir() and _saved_to_disk(path):
         datasets = _import("datasets", "hf", "datasets")
         return int(datasets.load_from_disk(str(_hf_split(path))).num_rows)
     return None
@@ -90,23 +98,36 @@ def detect_format(path: Path, fmt: str | None = None) -> str:
         raise InputError(f"{path}: no such file or folder")
     _probe(path)
     found = fmt or _suffix_format(path)
-    if found == "hf":
-        raise InputError(f"{path}: format 'hf' needs a folder written by save_to_disk")
+    if found == "hf" and path.suffix.lower() not in _DATASETS_BUILDERS:
+        raise InputError(
+            f"{path}: format 'hf' needs a folder (save_to_disk or data files) or a .csv or"
+            " .arrow file"
+        )
     # .json files holding JSON Lines are common; reading them as one document would fail.
     return "jsonl" if found == "json" and _holds_json_lines(path) else found
 
 
 def _folder_format(path: Path, fmt: str | None) -> str:
-    """A folder is a saved Hugging Face dataset or nothing we read."""
+    """A folder is a Hugging Face dataset (saved, or data files) or nothing we read."""
     if fmt not in (None, "hf"):
         raise InputError(f"{path}: is a folder; format {fmt!r} needs a file")
-    if not any((path / marker).is_file() for marker in _HF_MARKERS):
+    if not _saved_to_disk(path) and not _holds_data_files(path):
         markers = ", ".join(_HF_MARKERS)
+        suffixes = ", ".join(_DATA_FILE_SUFFIXES)
         raise InputError(
             f"{path}: is a folder but not a Hugging Face dataset saved with save_to_disk"
-            f" (none of {markers}); supported formats: {SUPPORTED}"
+            f" (none of {markers}) nor holds data files ({suffixes});"
+            f" supported formats: {SUPPORTED}"
         )
     return "hf"
+
+
+def _saved_to_disk(folder: Path) -> bool:
+    return any((folder / marker).is_file() for marker in _HF_MARKERS)
+
+
+def _holds_data_files(folder: Path) -> bool:
+    return any(f.name.lower().endswith(_DATA_FILE_SUFFIXES) for f in folder.rglob("*"))
 
 
 def _suffix_format(path: Path) -> str:
@@ -322,6 +343,35 @@ def _parquet_rows(parquet: ModuleType, path: Path) -> Iterator[RawRow]:
 
 
 def _read_hf(path: Path) -> Iterator[RawRow]:
+    """Rows of a Hugging Face dataset: saved with ``save_to_disk``, or files it loads."""
+    if path.is_dir() and _saved_to_disk(path):
+        return _read_saved(path)
+    return _read_loadable(path)
+
+
+def _read_loadable(path: Path) -> Iterator[RawRow]:
+    """Rows of data files as ``datasets.load_dataset`` reads them, streamed (no cache copy)."""
+    datasets = _import("datasets", "hf", "datasets")
+    builder = _DATASETS_BUILDERS.get(path.suffix.lower())
+    try:
+        if builder is None:  # a folder: load_dataset infers the builder and the splits
+            splits = datasets.load_dataset(str(path), streaming=True)
+        else:
+            splits = datasets.load_dataset(builder, data_files=str(path), streaming=True)
+    except Exception as exc:  # datasets raises many types; none may escape as a crash
+        raise InputError(f"{path}: datasets cannot load it: {exc}") from exc
+    names = [str(name) for name in splits]
+    if "train" not in names and len(names) != 1:
+        shown = ", ".join(sorted(names)) or "none"
+        raise InputError(
+            f"{path}: data files of splits {shown} and no 'train'; keep one split's files"
+            " in the folder"
+        )
+    split = splits["train" if "train" in names else names[0]]
+    return _columnar_rows(split.with_format("arrow").iter(batch_size=BATCH_ROWS))
+
+
+def _read_saved(path: Path) -> Iterator[RawRow]:
     """Rows of a dataset saved with ``save_to_disk`` (memory-mapped, read batch by batch)."""
     folder = _hf_split(path)
     datasets = _import("datasets", "hf", "datasets")

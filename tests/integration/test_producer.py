@@ -180,6 +180,32 @@ def test_a_dataset_keeps_its_budget_and_the_enqueue_says_so(
     assert queue_length(settings) == 4
 
 
+def test_a_hub_snapshot_folder_is_enqueued_like_its_rows(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pytest.importorskip("datasets")
+    # Parquet columns have one type: rows whose contents are all strings, without tools.
+    plain = [r for r in sample_rows(300) if "tools" not in r]
+    rows = [r for r in plain if all(isinstance(m.get("content"), str) for m in r["messages"])]
+    rows = rows[:40]
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for shard, part in enumerate((rows[:25], rows[25:])):
+        name = f"train-{shard:05d}-of-00002.parquet"
+        pq.write_table(pa.Table.from_pylist(part), tmp_path / "hub" / "data" / name)
+    summary = enqueue_file(settings, tmp_path / "hub")
+    assert (summary.accepted, summary.rejected) == (40, 0)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    for job_id in repo.job_ids():
+        job = repo.job(job_id)
+        assert job is not None
+        assert job["input_ids"] == reference_ids(tokenizer, rows[job["row_index"]])
+    assert queue_length(settings) == 40
+
+
 def test_another_chat_template_is_refused(settings: Settings, tmp_path: Path) -> None:
     import json
     import shutil

@@ -265,7 +265,7 @@ def test_missing_path(tmp_path: Path) -> None:
         iter_rows(tmp_path / "missing.jsonl")  # raised at the call, before iterating
 
 
-@pytest.mark.parametrize("name", ["d.csv", "d.txt", "d.parquet.gz", "data"])
+@pytest.mark.parametrize("name", ["d.xlsx", "d.txt", "d.parquet.gz", "data"])
 def test_unknown_suffix_lists_the_supported_formats(tmp_path: Path, name: str) -> None:
     path = tmp_path / name
     path.write_text("a,b\n")
@@ -294,8 +294,57 @@ def test_hint_that_does_not_fit_the_path(tmp_path: Path) -> None:
 
 
 def test_folder_that_is_not_a_dataset(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="not a Hugging Face dataset saved with save_to_disk"):
+    (tmp_path / "notes.txt").write_text("not data")
+    with pytest.raises(InputError) as info:
         iter_rows(tmp_path)
+    assert "not a Hugging Face dataset saved with save_to_disk" in str(info.value)
+    assert "nor holds data files (.parquet, .jsonl" in str(info.value)
+
+
+def hub_snapshot(folder: Path, shards: dict[str, list[dict[str, Any]]]) -> Path:
+    """A folder as a Hub download leaves it: a README and Parquet shards named by split."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text("# a dataset\n")
+    for name, rows in shards.items():
+        pq.write_table(pa.Table.from_pylist(rows), folder / "data" / name)
+    return folder
+
+
+def test_folder_of_data_files_reads_its_train_split_in_shard_order(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    chat = [{"messages": [{"role": "user", "content": f"q{i}"}], "tools": None} for i in range(5)]
+    folder = hub_snapshot(
+        tmp_path / "snapshot",
+        {
+            "train-00000-of-00002.parquet": chat[:3],
+            "train-00001-of-00002.parquet": chat[3:],
+            "test-00000-of-00001.parquet": [{"prompt": "held out"}],
+        },
+    )
+    assert detect_format(folder) == "hf"
+    assert values(folder) == [{"messages": row["messages"]} for row in chat]  # nulls dropped
+    assert readers.count_rows(folder) is None  # streamed: unknown until read
+
+
+def test_folder_of_data_files_without_train_names_its_splits(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    row = {"prompt": "x"}
+    folder = hub_snapshot(
+        tmp_path / "snapshot",
+        {"test-00000-of-00001.parquet": [row], "validation-00000-of-00001.parquet": [row]},
+    )
+    with pytest.raises(InputError, match="data files of splits test, validation and no 'train'"):
+        iter_rows(folder)
+
+
+def test_csv_file_is_read_through_datasets(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    path = tmp_path / "d.csv"
+    path.write_text('prompt,system\n"hello, world",\nbye,be brief\n')
+    assert detect_format(path) == "hf"
+    assert values(path) == [{"prompt": "hello, world"}, {"prompt": "bye", "system": "be brief"}]
 
 
 def test_corrupt_gzip_is_unreadable(tmp_path: Path) -> None:
