@@ -127,6 +127,11 @@ def _bare_prompt(prompt: Any) -> _Turn:
 def _listed(row: dict[str, Any], field: str, turn: Callable[[str, Any], _Turn]) -> list[_Turn]:
     """The turns of a list field, each resolved by ``turn(label, item)``."""
     items = row[field]
+    if isinstance(items, str) and items.lstrip().startswith("["):
+        try:
+            items = json.loads(items)  # CSV files store the list as JSON text
+        except ValueError:
+            raise RowError("malformed_message", f"'{field}' is a string but not JSON") from None
     if not isinstance(items, list):
         raise RowError("malformed_message", f"'{field}' is {_kind(items)}, not a list")
     if not items:

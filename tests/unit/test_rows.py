@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,17 @@ def test_flat_tool_calls_and_tools_are_wrapped_in_the_openai_form() -> None:
 def test_tools_stored_as_json_text_are_parsed() -> None:
     prompt = to_prompt({"messages": [user("q")], "tools": '[{"name": "weather"}]'})
     assert prompt.tools == [{"type": "function", "function": {"name": "weather"}}]
+
+
+def test_turns_stored_as_json_text_are_parsed() -> None:
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert to_prompt({"messages": json.dumps(messages)}) == to_prompt({"messages": messages})
+    turns = [{"from": "human", "value": "q"}]
+    assert to_prompt({"conversations": json.dumps(turns)}).messages == [
+        {"role": "user", "content": "q"}
+    ]
+    with pytest.raises(RowError, match="'messages' is a string but not JSON"):
+        to_prompt({"messages": "[{oops"})
 
 
 def test_empty_tools_list_means_no_tools() -> None:
