@@ -1,0 +1,86 @@
+"""An enqueue killed mid-run, run again and reconciled: every prompt one job, queued once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.queue import BulkPublisher
+from eaglegen.settings import Settings
+from models.repository import Repository
+from tests.faults.harness import state_counts, wait_for, worker_env
+from worker.reconcile import job_ids_in_queue, reconcile
+
+pytestmark = pytest.mark.faults
+
+PROMPTS = 40_000
+KILL_AFTER_JOBS = 5_000
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    """``n`` distinct short chat prompts as JSONL."""
+    with path.open("w") as handle:
+        for i in range(n):
+            row = {"messages": [{"role": "user", "content": f"Question {i}: why is {i} odd?"}]}
+            handle.write(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_an_enqueue_killed_mid_run_is_finished_by_a_rerun_and_the_reconciler(
+    fast_settings: Settings, repo: Repository, tmp_path: Path, workers: str
+) -> None:
+    path = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
+    command = [
+        *(sys.executable, "-m", "eaglegen", "enqueue", "--json", "--workers", workers),
+        *("--run", "r", "--dataset", "d", "--tokenizer", str(TOKENIZER_DIR), str(path)),
+    ]
+    env = worker_env(fast_settings)
+    # Its own session: the kill reaches the enqueue and its template workers at once.
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(
+            lambda: state_counts(repo)["queued"] >= KILL_AFTER_JOBS,
+            120,
+            f"{KILL_AFTER_JOBS} jobs stored",
+            lambda: f"enqueue exit code: {first.poll()}",
+        )
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    stored_at_kill = state_counts(repo)["queued"]
+    assert KILL_AFTER_JOBS <= stored_at_kill < PROMPTS
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    assert rerun.returncode == 0, rerun.stderr
+    document = json.loads(rerun.stdout)
+    assert (document["accepted"], document["duplicates"]) == (
+        PROMPTS - stored_at_kill,
+        stored_at_kill,
+    )
+
+    assert fast_settings.broker_url is not None
+    client = redis.Redis.from_url(fast_settings.broker_url)
+    publisher = BulkPublisher(fast_settings.broker_url, fast_settings.queue)
+    try:
+        # A batch committed but not yet published when the kill came has no message yet.
+        passes = [
+            reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
+            for _ in range(2)
+        ]
+        assert passes[1].republished == 0  # the first pass left nothing missing
+        job_ids = repo.job_ids()
+        assert len(job_ids) == PROMPTS  # every prompt once: nothing lost, nothing twice
+        assert job_ids_in_queue(client, fast_settings.queue) == set(job_ids)
+        assert client.llen(fast_settings.queue) == PROMPTS  # one message per job
+    finally:
+        publisher.close()
+        client.close()
