@@ -30,6 +30,43 @@ DataDir = Annotated[Path | None, typer.Option(help="Data directory [env: EAGLEGE
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 
 
+def _ready(settings: Any, *, database: bool = True, broker: bool = True) -> None:
+    """Raise ValueError saying what to do unless this command's services can be used."""
+    from eaglegen.preflight import check_broker, check_database
+
+    if broker:
+        require_services(settings)
+    elif settings.database_url is None:
+        raise ValueError(
+            "no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up`"
+        )
+    if database:
+        check_database(settings.database_url)
+    if broker:
+        check_broker(settings.broker_url)
+
+
+def _enqueue_or_explain(settings: Any, plan: Any, dry_run: bool, workers: int | None) -> Any:
+    """Run the enqueue; a service lost mid-run is one sentence saying how to finish the job."""
+    import redis as redis_lib
+    from sqlalchemy.exc import OperationalError
+
+    from eaglegen.settings import redact
+    from producer.commands import run_enqueue
+
+    try:
+        return run_enqueue(settings, plan, dry_run=dry_run, workers=workers)
+    except (OperationalError, redis_lib.ConnectionError) as exc:
+        service = "Postgres" if isinstance(exc, OperationalError) else "Redis"
+        url = settings.database_url if service == "Postgres" else settings.broker_url
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise ValueError(
+            f"lost {service} at {redact(url)} mid-run: {reason}. What was stored stays; run "
+            "the same enqueue again to add the rest, then `eaglegen reconcile` to publish "
+            "jobs stored but not yet published"
+        ) from exc
+
+
 def fail(message: str) -> NoReturn:
     """Print an error naming what went wrong and exit 2."""
     err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
@@ -90,7 +127,6 @@ def enqueue(
     data_dir: DataDir = None,
 ) -> None:
     """Template every row with the model's chat template and enqueue one job per prompt."""
-    from producer.commands import run_enqueue
     from producer.plan import plan_from_flags, plan_from_run_file
     from producer.runfile import load_run_file
 
@@ -125,8 +161,8 @@ def enqueue(
                 },
             )
         if not dry_run:
-            require_services(settings)
-        report = run_enqueue(settings, plan, dry_run=dry_run, workers=workers)
+            _ready(settings)
+        report = _enqueue_or_explain(settings, plan, dry_run, workers)
     except (ValueError, OSError) as exc:  # InputError is a ValueError
         fail(str(exc))
     if json_out:
@@ -166,7 +202,7 @@ def worker(
         servers=parse_servers(server) if server else None,
     )
     try:
-        require_services(settings)
+        _ready(settings, database=not check)  # --check only reads heartbeats in Redis
     except ValueError as exc:
         fail(str(exc))
     assert settings.broker_url is not None
@@ -201,8 +237,11 @@ def status(
     from models.repository import Repository
 
     settings = load_settings(database_url=database_url, data_dir=data_dir)
-    if settings.database_url is None:
-        fail("no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up`")
+    try:
+        _ready(settings, broker=False)
+    except ValueError as exc:
+        fail(str(exc))
+    assert settings.database_url is not None
     engine = make_engine(settings.database_url, pool_size=1)
     counts = Repository(engine).counts(run)
     engine.dispose()
@@ -362,8 +401,10 @@ def _repository(settings: Any) -> Any:
     from models.db import make_engine
     from models.repository import Repository
 
-    if settings.database_url is None:
-        fail("no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up`")
+    try:
+        _ready(settings, broker=False)
+    except ValueError as exc:
+        fail(str(exc))
     return Repository(make_engine(settings.database_url, pool_size=1))
 
 
@@ -420,6 +461,7 @@ def budget_set(
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     try:
         budget = parse_tokens(amount)
+        _ready(settings)
         _, broker = require_services(settings)
         repo = _repository(settings)
         requeued = repo.set_budget(run, dataset, budget)
@@ -453,6 +495,7 @@ def reconcile(
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     try:
+        _ready(settings)
         _, broker = require_services(settings)
     except ValueError as exc:
         fail(str(exc))

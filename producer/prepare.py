@@ -6,6 +6,7 @@ Kept apart from `producer.enqueue` so worker processes import only what they run
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from models.records import JobBatch, Rejection, prompt_sha256
@@ -85,10 +86,27 @@ def build_jobs(
         packed = pack(input_ids)
         sha256 = prompt_sha256(packed)
         # A prompt repeated inside one batch is one job; the database dedups across batches.
-        if sha256 not in seen:
-            seen.add(sha256)
-            jobs.add(raw.index, sha256, packed, len(input_ids), _messages_json(prompt))
+        if sha256 in seen:
+            continue
+        messages = _messages_json(prompt)
+        if _holds_nul(messages):
+            rejections.append(Rejection(raw.index, _NUL.reason, excerpt(raw, _NUL)))
+            continue
+        seen.add(sha256)
+        jobs.add(raw.index, sha256, packed, len(input_ids), messages)
     return Prepared(jobs, rejections)
+
+
+# JSON spells a NUL character \u0000 after any number of escaped backslashes ("\\" pairs);
+# Postgres's jsonb refuses it, and one such row would fail its whole batch's insert.
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+_NUL = RowError(
+    "unsupported_content", "a NUL character (U+0000) in the prompt, which Postgres cannot store"
+)
+
+
+def _holds_nul(messages_json: str) -> bool:
+    return "\\u0000" in messages_json and _NUL_ESCAPE.search(messages_json) is not None
 
 
 def _too_long(prompt_tokens: int, max_context_len: int | None, max_new: int) -> RowError | None:
@@ -109,4 +127,5 @@ def _messages_json(prompt: Prompt) -> str:
 def excerpt(raw: RawRow, err: RowError) -> str:
     """The reason's detail and the start of the row, for `rejected_rows`."""
     source = raw.excerpt or json.dumps(raw.value, ensure_ascii=False, default=str)
-    return f"{err.detail} | {source[:300]}"
+    # Postgres text cannot hold NUL, which a line of binary garbage may carry.
+    return f"{err.detail} | {source[:300]}".replace("\x00", "\\x00")

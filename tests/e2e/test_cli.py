@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,23 @@ def test_unknown_format_is_a_clear_error_before_anything_is_written(
     assert "rows.csv" in result.stderr.replace("\n", "")
     status = json.loads(eaglegen("status", "--json", env=service_env(settings)).stdout)
     assert status["datasets"] == []
+
+
+def test_an_unreachable_database_is_one_clear_line(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "chat.jsonl", sample_rows(2))
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        "EAGLEGEN_DATABASE_URL": f"postgresql://u:s3cret@127.0.0.1:{port}/db",
+        "EAGLEGEN_BROKER_URL": f"redis://127.0.0.1:{port}/0",
+        "EAGLEGEN_DATA_DIR": str(tmp_path),
+    }
+    args = ("--run", "r", "--dataset", "d", "--tokenizer", str(TOKENIZER_DIR), str(data))
+    result = eaglegen("enqueue", *args, env=env)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: cannot use Postgres at postgresql")
+    assert "Traceback" not in result.stderr and "s3cret" not in result.stderr
 
 
 def test_missing_file_is_a_clear_error(settings: Settings, tmp_path: Path) -> None:

@@ -97,17 +97,27 @@ def test_bad_rows_are_recorded_and_the_run_goes_on(
         good[1],
         good[1],
         good[2],
+        {"prompt": "a NUL \u0000 inside"},  # jsonb cannot hold it: it failed the whole batch
+        {"prompt": "a backslash and u0000: \\u0000"},  # only looks like one
+        "binary \x00 garbage",  # its excerpt once failed the insert of the rejections
     ]
     summary = enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", rows))
-    assert summary.accepted == 3
+    assert summary.accepted == 4
     assert summary.duplicates == 1
-    assert summary.rejected == 3
+    assert summary.rejected == 5
     assert dict(summary.rejected_by_reason) == {
-        "invalid_json": 1,
+        "invalid_json": 2,
         "not_an_object": 1,
         "empty_prompt": 1,
+        "unsupported_content": 1,
     }
-    assert repo.rejected_rows() == [(1, "invalid_json"), (2, "not_an_object"), (3, "empty_prompt")]
+    assert repo.rejected_rows() == [
+        (1, "invalid_json"),
+        (2, "not_an_object"),
+        (3, "empty_prompt"),
+        (7, "unsupported_content"),
+        (9, "invalid_json"),
+    ]
 
 
 def test_thinking_kwarg_reaches_the_template(

@@ -1,0 +1,60 @@
+"""Preflight: unreachable services and foreign schemas are one sentence, before any work."""
+
+from __future__ import annotations
+
+import socket
+
+import psycopg
+import pytest
+
+from eaglegen.preflight import ServiceError, check_broker, check_database
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def set_revision(database_url: str, revision: str | None) -> None:
+    plain = database_url.replace("postgresql+psycopg", "postgresql", 1)
+    with psycopg.connect(plain, autocommit=True) as conn:
+        conn.execute("DELETE FROM alembic_version")
+        if revision is not None:
+            conn.execute("INSERT INTO alembic_version VALUES (%s)", (revision,))
+
+
+def test_a_migrated_database_and_a_live_redis_pass(database_url: str, broker_url: str) -> None:
+    check_database(database_url)
+    check_broker(broker_url)
+
+
+@pytest.mark.parametrize(
+    ("revision", "message"),
+    [
+        (None, "no eaglegen schema in this database; run `eaglegen db upgrade`"),
+        ("0002", "schema at revision 0002, this eaglegen needs 0003; run `eaglegen db upgrade`"),
+        ("9999", "schema at revision 9999, which this eaglegen does not know"),
+    ],
+)
+def test_a_schema_that_is_not_this_eaglegens_is_named(
+    database_url: str, revision: str | None, message: str
+) -> None:
+    set_revision(database_url, revision)
+    with pytest.raises(ServiceError) as info:
+        check_database(database_url)
+    assert message in str(info.value)
+
+
+def test_unreachable_services_are_named_without_their_passwords() -> None:
+    port = closed_port()
+    with pytest.raises(ServiceError) as db_error:
+        check_database(f"postgresql://eaglegen:s3cret@127.0.0.1:{port}/db")
+    with pytest.raises(ServiceError) as redis_error:
+        check_broker(f"redis://:s3cret@127.0.0.1:{port}/0")
+    for error, service in ((db_error, "Postgres"), (redis_error, "Redis")):
+        text = str(error.value)
+        assert text.startswith(f"cannot use {service} at ") and f":{port}" in text
+        assert "s3cret" not in text and "***" in text
+        assert "refused" in text.lower()
