@@ -48,16 +48,18 @@ def _ready(settings: Any, *, database: bool = True, broker: bool = True) -> None
 
 def _enqueue_or_explain(settings: Any, plan: Any, dry_run: bool, workers: int | None) -> Any:
     """Run the enqueue; a service lost mid-run is one sentence saying how to finish the job."""
+    import psycopg
     import redis as redis_lib
     from sqlalchemy.exc import OperationalError
 
     from eaglegen.settings import redact
     from producer.commands import run_enqueue
 
+    lost_postgres = (OperationalError, psycopg.OperationalError)  # COPY runs on psycopg's own
     try:
         return run_enqueue(settings, plan, dry_run=dry_run, workers=workers)
-    except (OperationalError, redis_lib.ConnectionError) as exc:
-        service = "Postgres" if isinstance(exc, OperationalError) else "Redis"
+    except (*lost_postgres, redis_lib.ConnectionError) as exc:
+        service = "Postgres" if isinstance(exc, lost_postgres) else "Redis"
         url = settings.database_url if service == "Postgres" else settings.broker_url
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         raise ValueError(

@@ -114,11 +114,11 @@ budget_tokens = "50k"
 def test_unknown_format_is_a_clear_error_before_anything_is_written(
     settings: Settings, tmp_path: Path
 ) -> None:
-    data = tmp_path / "rows.csv"
+    data = tmp_path / "rows.xlsx"
     data.write_text("a,b\n")
     result = quick_enqueue(data, settings)
     assert result.returncode == 2
-    assert "rows.csv" in result.stderr.replace("\n", "")
+    assert "rows.xlsx" in result.stderr.replace("\n", "")
     status = json.loads(eaglegen("status", "--json", env=service_env(settings)).stdout)
     assert status["datasets"] == []
 
