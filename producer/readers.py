@@ -368,7 +368,22 @@ def _read_loadable(path: Path) -> Iterator[RawRow]:
             " in the folder"
         )
     split = splits["train" if "train" in names else names[0]]
-    return _columnar_rows(split.with_format("arrow").iter(batch_size=BATCH_ROWS))
+    return _streamed_rows(path, split.with_format("arrow").iter(batch_size=BATCH_ROWS))
+
+
+def _streamed_rows(path: Path, batches: Iterable[Any]) -> Iterator[RawRow]:
+    """Rows of batches datasets reads lazily: a shard it cannot read fails here, clearly."""
+    rows = _columnar_rows(batches)
+    index = 0
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as exc:  # e.g. shards whose columns disagree
+            raise InputError(f"{path}: datasets failed after {index} rows: {exc}") from exc
+        yield row
+        index += 1
 
 
 def _read_saved(path: Path) -> Iterator[RawRow]:

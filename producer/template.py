@@ -172,6 +172,9 @@ def _flatten_template_globals(chat_template: str | dict[str, str]) -> None:
         return
     texts = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
     for text in texts:
-        compiled = _compile_jinja_template(text)
+        try:
+            compiled = _compile_jinja_template(text)
+        except Exception:  # a broken template: every row will say why (template_error)
+            continue
         if isinstance(compiled.globals, ChainMap):
             compiled.globals = dict(compiled.globals)

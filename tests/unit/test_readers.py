@@ -339,6 +339,16 @@ def test_folder_of_data_files_without_train_names_its_splits(tmp_path: Path) -> 
         iter_rows(folder)
 
 
+def test_a_shard_that_cannot_be_read_fails_with_the_folder_named(tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    folder = hub_snapshot(tmp_path / "snapshot", {"train-00000-of-00002.parquet": [{"p": "a"}]})
+    (folder / "data" / "train-00001-of-00002.parquet").write_bytes(b"truncated download")
+    with pytest.raises(
+        InputError, match=r"snapshot: datasets failed after \d+ rows: Could not open"
+    ):
+        list(iter_rows(folder))
+
+
 def test_csv_file_is_read_through_datasets(tmp_path: Path) -> None:
     pytest.importorskip("datasets")
     path = tmp_path / "d.csv"
