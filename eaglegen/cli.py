@@ -399,12 +399,13 @@ def sim(
     serve(config, on_ready=lambda url: err.print(f"simulator listening on {url}"))
 
 
-def _repository(settings: Any) -> Any:
+def _repository(settings: Any, *, broker: bool = False) -> Any:
+    """The repository, once the database (and with ``broker`` Redis too) proved usable."""
     from models.db import make_engine
     from models.repository import Repository
 
     try:
-        _ready(settings, broker=False)
+        _ready(settings, broker=broker)
     except ValueError as exc:
         fail(str(exc))
     return Repository(make_engine(settings.database_url, pool_size=1))
@@ -463,9 +464,8 @@ def budget_set(
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     try:
         budget = parse_tokens(amount)
-        _ready(settings)
+        repo = _repository(settings, broker=True)
         _, broker = require_services(settings)
-        repo = _repository(settings)
         requeued = repo.set_budget(run, dataset, budget)
     except ValueError as exc:
         fail(str(exc))
@@ -496,12 +496,8 @@ def reconcile(
     from worker.reconcile import reconcile as run_reconcile
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
-    try:
-        _ready(settings)
-        _, broker = require_services(settings)
-    except ValueError as exc:
-        fail(str(exc))
-    repo = _repository(settings)
+    repo = _repository(settings, broker=True)
+    _, broker = require_services(settings)
     client = redis_lib.Redis.from_url(broker)
     publisher = BulkPublisher(broker, settings.queue)
     report = run_reconcile(
