@@ -198,8 +198,6 @@ def test_200_concurrent_requests_complete_with_exact_accounting(
         for i, p in enumerate(prompts)
     ]
     responses = asyncio.run(_fire(sim.url, payloads))
-    # Read at once: the throughput gauge covers the last 2 s only, and checking 200 bodies
-    # on a loaded machine once took longer than that (a flaky 0).
     after = metric_values(client)
     assert all(r.status_code == 200 for r in responses)
     bodies = [r.json() for r in responses]
@@ -215,7 +213,8 @@ def test_200_concurrent_requests_complete_with_exact_accounting(
     assert after[key] - before[key] == 200
     assert after[f"sglang:num_running_reqs{GAUGE}"] == 0
     assert after[f"sglang:token_usage{GAUGE}"] == 0
-    assert after[f"sglang:gen_throughput{GAUGE}"] > 0
+    # No throughput check here: the gauge covers the last 2 s, and on a loaded machine the
+    # last responses arrive later than that (it read 0); it is checked under load below.
 
 
 def _poll_metrics(url: str, stop: float) -> list[dict[str, float]]:
@@ -250,6 +249,7 @@ def test_kv_pool_limits_running_requests_and_queues_the_rest() -> None:
     usage = [m[f"sglang:token_usage{GAUGE}"] for m in seen]
     assert max(running) == 6 and max(queued) > 0
     assert 0 < max(usage) <= 1
+    assert max(m[f"sglang:gen_throughput{GAUGE}"] for m in seen) > 0
 
 
 def test_queue_full_answers_503() -> None:
