@@ -43,9 +43,18 @@ class Templater:
 
         self.path = tokenizer_path
         self.trust_remote_code = trust_remote_code
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            str(tokenizer_path), trust_remote_code=trust_remote_code, local_files_only=True
-        )
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                str(tokenizer_path), trust_remote_code=trust_remote_code, local_files_only=True
+            )
+        except ValueError as exc:
+            if trust_remote_code or "trust_remote_code" not in str(exc):
+                raise
+            raise ValueError(
+                f"{tokenizer_path}: this tokenizer loads with its own Python code (its "
+                "tokenization_*.py); if you trust it, pass --trust-remote-code "
+                "(in a run file: trust_remote_code = true)"
+            ) from exc
         if not self.tokenizer.chat_template:
             raise ValueError(f"{tokenizer_path}: the tokenizer has no chat template")
         self.template_kwargs = dict(template_kwargs or {})

@@ -1,0 +1,95 @@
+"""A tokenizer that loads as remote code and has no Rust backend, as Kimi-K2's does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.settings import Settings
+from models.db import make_engine
+from models.repository import Repository
+from producer import enqueue
+from producer.commands import run_enqueue
+from producer.plan import DatasetPlan, RunPlan
+from producer.rows import to_prompt
+from producer.template import Templater
+from tests.helpers import sample_rows, write_jsonl
+
+MODULE = Path(__file__).parent.parent / "data" / "remote_tokenizer" / "tokenization_tiny.py"
+
+
+@pytest.fixture
+def remote_tokenizer(tmp_path: Path) -> Path:
+    """The bundled tokenizer's files, with a tokenization_tiny.py that AutoTokenizer loads."""
+    folder = tmp_path / "remote-tokenizer"
+    shutil.copytree(TOKENIZER_DIR, folder)
+    shutil.copy(MODULE, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "TinySlowTokenizer"
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_tiny.TinySlowTokenizer", None]}
+    config_path.write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture
+def repo(settings: Settings) -> Iterator[Repository]:
+    assert settings.database_url is not None
+    engine = make_engine(settings.database_url)
+    yield Repository(engine)
+    engine.dispose()
+
+
+def plan(tokenizer: Path, data: Path, run: str, *, trust: bool) -> RunPlan:
+    return RunPlan(
+        run=run,
+        tokenizer=tokenizer,
+        trust_remote_code=trust,
+        datasets=[DatasetPlan("d", data, sampling={"max_new_tokens": 64})],
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_remote_code_tokenizer_stores_its_own_apply_chat_template_ids(
+    settings: Settings,
+    repo: Repository,
+    remote_tokenizer: Path,
+    tmp_path: Path,
+    workers: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(enqueue, "BATCH_ROWS", 32)  # batches spread over the workers
+    templater = Templater(remote_tokenizer, trust_remote_code=True)
+    assert not templater.is_fast  # the pure-Python path, not the Rust backend
+    rows = sample_rows(300)  # tools, tool-call history, multi-turn
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    report = run_enqueue(
+        settings, plan(remote_tokenizer, data, f"w{workers}", trust=True), workers=workers
+    )
+    assert report.datasets[0].accepted == 300
+    tokenizer = templater.tokenizer
+    for job_id in repo.job_ids():
+        job = repo.job(job_id)
+        assert job is not None
+        prompt = to_prompt(rows[job["row_index"]])
+        expected = tokenizer.apply_chat_template(
+            prompt.messages,
+            tools=prompt.tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        assert job["input_ids"] == list(expected)
+
+
+def test_remote_code_runs_only_when_trusted(
+    settings: Settings, remote_tokenizer: Path, tmp_path: Path
+) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", sample_rows(2))
+    with pytest.raises(ValueError, match="if you trust it, pass --trust-remote-code"):
+        run_enqueue(settings, plan(remote_tokenizer, data, "r", trust=False), quiet=True)
