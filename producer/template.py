@@ -15,8 +15,10 @@ from producer.rows import Prompt, RowError
 # The reasoning markers of Kimi-K2, DeepSeek-R1 and Qwen3 alike.
 THINK_START, THINK_END = "<think>", "</think>"
 
-# Files that define tokenization; weights and configs beside them are not hashed.
+# Files that define tokenization (remote code included: tokenization_*.py); weights and
+# configs beside them are not hashed.
 _TOKENIZER_FILES = (
+    "tokenization",
     "tokenizer",
     "special_tokens_map",
     "added_tokens",

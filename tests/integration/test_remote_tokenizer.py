@@ -93,3 +93,10 @@ def test_remote_code_runs_only_when_trusted(
     data = write_jsonl(tmp_path / "d.jsonl", sample_rows(2))
     with pytest.raises(ValueError, match="if you trust it, pass --trust-remote-code"):
         run_enqueue(settings, plan(remote_tokenizer, data, "r", trust=False), quiet=True)
+
+
+def test_the_remote_code_is_part_of_the_tokenizer_hash(remote_tokenizer: Path) -> None:
+    before = Templater(remote_tokenizer, trust_remote_code=True).tokenizer_sha256()
+    code = remote_tokenizer / "tokenization_tiny.py"
+    code.write_text(code.read_text() + "\n# a changed tokenizer implementation\n")
+    assert Templater(remote_tokenizer, trust_remote_code=True).tokenizer_sha256() != before
