@@ -48,6 +48,8 @@ def _ready(settings: Any, *, database: bool = True, broker: bool = True) -> None
 
 def _enqueue_or_explain(settings: Any, plan: Any, dry_run: bool, workers: int | None) -> Any:
     """Run the enqueue; a service lost mid-run is one sentence saying how to finish the job."""
+    from concurrent.futures.process import BrokenProcessPool
+
     import psycopg
     import redis as redis_lib
     from sqlalchemy.exc import OperationalError
@@ -58,6 +60,11 @@ def _enqueue_or_explain(settings: Any, plan: Any, dry_run: bool, workers: int | 
     lost_postgres = (OperationalError, psycopg.OperationalError)  # COPY runs on psycopg's own
     try:
         return run_enqueue(settings, plan, dry_run=dry_run, workers=workers)
+    except BrokenProcessPool as exc:
+        raise ValueError(
+            "a template worker process died (killed, or out of memory?). What was stored "
+            "stays; run the same enqueue again, with --workers 0 to template in one process"
+        ) from exc
     except (*lost_postgres, redis_lib.ConnectionError) as exc:
         service = "Postgres" if isinstance(exc, lost_postgres) else "Redis"
         url = settings.database_url if service == "Postgres" else settings.broker_url
