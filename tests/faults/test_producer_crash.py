@@ -84,3 +84,47 @@ def test_an_enqueue_killed_mid_run_is_finished_by_a_rerun_and_the_reconciler(
     finally:
         publisher.close()
         client.close()
+
+
+def template_workers(enqueue: int) -> list[int]:
+    """The template worker processes of an enqueue: the children of its fork server."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    servers = [
+        pid
+        for pid in children.get(enqueue, [])
+        if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    return [worker for server in servers for worker in children.get(server, [])]
+
+
+def test_a_template_worker_killed_mid_run_is_a_clear_error(
+    fast_settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    path = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
+    command = [
+        *(sys.executable, "-m", "eaglegen", "enqueue", "--workers", "2"),
+        *("--run", "r", "--dataset", "d", "--tokenizer", str(TOKENIZER_DIR), str(path)),
+    ]
+    with subprocess.Popen(
+        command, env=worker_env(fast_settings), stderr=subprocess.PIPE, text=True
+    ) as enqueue:
+        wait_for(
+            lambda: state_counts(repo)["queued"] >= KILL_AFTER_JOBS,
+            120,
+            f"{KILL_AFTER_JOBS} jobs stored",
+            lambda: f"enqueue exit code: {enqueue.poll()}",
+        )
+        workers = template_workers(enqueue.pid)
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        _, stderr = enqueue.communicate(timeout=120)
+    assert enqueue.returncode == 2
+    assert stderr.strip().startswith("error: a template worker process died"), stderr
+    assert "Traceback" not in stderr
