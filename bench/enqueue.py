@@ -3,8 +3,9 @@
 rate: enqueue rate of N short chat prompts (read, validate, template, tokenize, insert into
       Postgres, publish to Redis) as a ratio to the bare batch-tokenizer rate on the same
       rendered prompts, measured in the same run (bare, enqueue, bare; mean of the bares).
-rss:  peak RSS of a process enqueueing N prompts, for several N, each in a fresh process;
-      with worker processes, also the largest worker's peak and the sum of all peaks.
+rss:  peak memory of `eaglegen enqueue` (the command, as a subprocess) for N prompts, for
+      several N: the main process's peak RSS, and the largest PSS of it and its helper
+      processes together.
 stages: CPU per prompt of each stage of the enqueue run alone, in this process, and of the
       Postgres and Redis servers for the insert and publish: the budget that bounds the
       ratio when every process shares the same cores.
@@ -21,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -118,74 +117,75 @@ def _label(workers: int | None) -> str:
 
 
 def rss(sizes: list[int], admin_url: str, broker: str, workers: int | None) -> None:
-    """Print the peak RSS of an enqueue of each size, each in its own process."""
+    """Print the peak memory of `eaglegen enqueue` (the real command) for each size."""
     for n in sizes:
-        out = subprocess.run(
-            [
-                sys.executable,
-                *("-m", "bench.enqueue", "rss-child", str(n), admin_url, broker),
-                *("--workers", str(workers)),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        result = json.loads(out.strip().splitlines()[-1])
-        helpers = result["helper_rss_mb"]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_short_prompts(Path(tmp) / "prompts.jsonl", n)
+            env = {
+                **os.environ,
+                "EAGLEGEN_DATABASE_URL": scratch_database(admin_url, f"eaglegen_bench_rss_{n}"),
+                "EAGLEGEN_BROKER_URL": scratch_redis(broker, 13),
+                "EAGLEGEN_QUEUE": f"bench-rss-{n}",
+            }
+            command = [
+                *_eaglegen_command(),
+                *("enqueue", "--json", "--run", f"rss{n}"),
+                *("--dataset", "d", "--tokenizer", str(TOKENIZER_DIR), str(path)),
+                *(() if workers is None else ("--workers", str(workers))),
+            ]
+            start = time.perf_counter()
+            with subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL) as enqueue:
+                peak = _watch(enqueue)
+            seconds = time.perf_counter() - start
+            if enqueue.returncode != 0:
+                raise SystemExit(f"enqueue of {n} prompts failed ({enqueue.returncode})")
         print(
-            f"{n:>9,} prompts: peak RSS {result['max_rss_mb']:.0f} MB"
-            + (
-                f" (+ {len(helpers)} helper processes, largest RSS {max(helpers):.0f} MB;"
-                f" all processes together, PSS: {result['all_pss_mb']:.0f} MB)"
-                if helpers
-                else ""
-            )
-            + f", enqueue {result['seconds']:.1f} s ({n / result['seconds']:,.0f} prompts/s)"
+            f"{n:>9,} prompts: main process peak RSS {peak.main_rss_mb:.0f} MB;"
+            f" with its {peak.helpers} helper processes, PSS together {peak.all_pss_mb:.0f} MB"
+            f" (enqueue {seconds:.1f} s, {n / seconds:,.0f} prompts/s)"
         )
 
 
-def rss_child(n: int, admin_url: str, broker: str, workers: int | None) -> None:
-    """Enqueue ``n`` prompts in this process and print its peak RSS (and its helpers') as JSON."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_short_prompts(Path(tmp) / "prompts.jsonl", n)
-        database = scratch_database(admin_url, f"eaglegen_bench_rss_{n}")
-        peaks: dict[int, float] = {}
-        stop = threading.Event()
-        watcher = threading.Thread(target=_watch_descendants, args=(peaks, stop), daemon=True)
-        watcher.start()
-        try:
-            seconds = enqueue_seconds(path, database, scratch_redis(broker, 13), f"rss{n}", workers)
-        finally:
-            stop.set()
-            watcher.join()
-    max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    together = peaks.pop(0, 0.0)
-    doc = {
-        "n": n,
-        "max_rss_mb": max_rss_mb,
-        "helper_rss_mb": list(peaks.values()),
-        "all_pss_mb": together,
-    }
-    print(json.dumps({**doc, "seconds": seconds}))
+def _eaglegen_command() -> list[str]:
+    """The installed `eaglegen` console script, as users run it (else `python -m eaglegen`)."""
+    script = Path(sys.executable).with_name("eaglegen")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "eaglegen"]
 
 
-def _watch_descendants(peaks: dict[int, float], stop: threading.Event) -> None:
-    """Record peak memory (MB) until ``stop`` (Linux): each helper's RSS, and under the key 0
-    the largest PSS of this process and its helpers together, sampled at once. PSS splits
-    pages shared between processes (a fork server's imports) so they count once in the sum.
+@dataclass
+class _Peak:
+    main_rss_mb: float = 0.0
+    all_pss_mb: float = 0.0
+    helpers: int = 0
+
+
+def _watch(process: subprocess.Popen[bytes]) -> _Peak:
+    """Sample a process tree's memory until the process ends (Linux /proc).
+
+    The main process's RSS high-water mark comes from the kernel (VmHWM); the tree's total is
+    the largest sum of PSS seen at one instant: PSS splits pages shared between processes (a
+    fork server's imports), so they count once.
     """
-    while not stop.wait(0.5):
-        together = _pss_mb(os.getpid())
-        for pid in _descendants(os.getpid()):
-            together += _pss_mb(pid)
-            try:
-                status = Path(f"/proc/{pid}/status").read_text()
-            except OSError:
-                continue
-            for line in status.splitlines():
-                if line.startswith("VmHWM:"):
-                    peaks[pid] = max(peaks.get(pid, 0.0), int(line.split()[1]) / 1024)
-        peaks[0] = max(peaks.get(0, 0.0), together)
+    peak = _Peak()
+    while process.poll() is None:
+        tree = [process.pid, *_descendants(process.pid)]
+        peak.helpers = max(peak.helpers, len(tree) - 1)
+        peak.all_pss_mb = max(peak.all_pss_mb, sum(_pss_mb(pid) for pid in tree))
+        peak.main_rss_mb = max(peak.main_rss_mb, _high_water_mb(process.pid))
+        time.sleep(0.05)
+    return peak
+
+
+def _high_water_mb(pid: int) -> float:
+    """A process's peak RSS so far in MB (0 once it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def _pss_mb(pid: int) -> float:
@@ -368,8 +368,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("mode", choices=["rate", "rss", "rss-child", "stages"])
-    parser.add_argument("args", nargs="*")
+    parser.add_argument("mode", choices=["rate", "rss", "stages"])
     parser.add_argument("--prompts", type=int, default=200_000)
     parser.add_argument("--words", type=int, nargs=2, default=[6, 24], metavar=("MIN", "MAX"))
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
@@ -381,10 +380,8 @@ def main() -> None:
         rate(ns.prompts, ns.database_url, ns.broker_url, ns.workers, tuple(ns.words))
     elif ns.mode == "stages":
         stages(ns.prompts, ns.database_url, ns.broker_url)
-    elif ns.mode == "rss":
-        rss(ns.sizes, ns.database_url, ns.broker_url, ns.workers[0])
     else:
-        rss_child(int(ns.args[0]), ns.args[1], ns.args[2], ns.workers[0])
+        rss(ns.sizes, ns.database_url, ns.broker_url, ns.workers[0])
 
 
 def _workers(value: str) -> int | None:

@@ -28,8 +28,17 @@ from producer.template import Templater
 # or at once for inputs of AUTO_START_BYTES or more (about as many short chat rows in JSONL).
 AUTO_START_ROWS = 32_768
 AUTO_START_BYTES = 8 << 20
-# Imported once by the fork server, so each worker forked from it starts in milliseconds.
-_PRELOAD = ("producer.parallel", "transformers.models.auto.tokenization_auto")
+# Imported once by the fork server, so each worker forked from it starts in milliseconds and
+# shares these modules' memory. "__main__" too: each worker would otherwise run the main
+# script again (multiprocessing's "safe importing of main"), which for the `eaglegen` console
+# script imported the whole CLI in every worker. producer.forkserver comes last: it freezes
+# the server's heap so that the workers' collections leave those pages shared.
+_PRELOAD = (
+    "__main__",
+    "producer.parallel",
+    "transformers.models.auto.tokenization_auto",
+    "producer.forkserver",
+)
 
 # This process's Templater when it is a pool worker (set by the pool initializer).
 _worker_templater: Templater | None = None
