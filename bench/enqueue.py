@@ -170,32 +170,22 @@ def _watch(process: subprocess.Popen[bytes]) -> _Peak:
     while process.poll() is None:
         tree = [process.pid, *_descendants(process.pid)]
         peak.helpers = max(peak.helpers, len(tree) - 1)
-        peak.all_pss_mb = max(peak.all_pss_mb, sum(_pss_mb(pid) for pid in tree))
-        peak.main_rss_mb = max(peak.main_rss_mb, _high_water_mb(process.pid))
+        peak.all_pss_mb = max(
+            peak.all_pss_mb, sum(_proc_mb(pid, "smaps_rollup", "Pss") for pid in tree)
+        )
+        peak.main_rss_mb = max(peak.main_rss_mb, _proc_mb(process.pid, "status", "VmHWM"))
         time.sleep(0.05)
     return peak
 
 
-def _high_water_mb(pid: int) -> float:
-    """A process's peak RSS so far in MB (0 once it is gone)."""
+def _proc_mb(pid: int, file: str, field: str) -> float:
+    """A "Field: N kB" line of /proc/PID/FILE in MB (0 once the process is gone)."""
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
+        text = Path(f"/proc/{pid}/{file}").read_text()
     except OSError:
         return 0.0
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _pss_mb(pid: int) -> float:
-    """A process's proportional set size in MB (0 once it is gone)."""
-    try:
-        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return 0.0
-    for line in rollup.splitlines():
-        if line.startswith("Pss:"):
+    for line in text.splitlines():
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
