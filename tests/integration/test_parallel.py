@@ -168,3 +168,37 @@ def test_workers_leave_when_the_main_process_is_killed(tmp_path: Path) -> None:
     while any(map(running, helpers)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(running, helpers))
+
+
+# What the installed `eaglegen` console script runs at its top level, then a template pool.
+CONSOLE_MAIN = textwrap.dedent("""
+    import sys
+    from eaglegen.__main__ import main  # the console script's own import
+
+    def modules() -> list[str]:
+        return sorted(sys.modules)
+
+    if __name__ == "__main__":
+        from eaglegen.assets import TOKENIZER_DIR
+        from producer.parallel import Preparer
+        from producer.rows import RawRow
+        from producer.template import Templater
+
+        preparer = Preparer(Templater(TOKENIZER_DIR), 1)
+        preparer.submit([RawRow(0, {"prompt": "hi"})], None, 16).result()
+        here = "eaglegen.cli" in sys.modules
+        worker = preparer._pool.submit(modules).result()
+        print(here, "eaglegen.cli" in worker, "pydantic" in worker)
+        preparer.close()
+""")
+
+
+def test_template_workers_do_not_import_the_cli(tmp_path: Path) -> None:
+    # multiprocessing runs the main script again in each worker: a console script that
+    # imported the CLI at its top level cost every worker ~30 MB it never used.
+    script = tmp_path / "console.py"
+    script.write_text(CONSOLE_MAIN)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.split() == ["False", "False", "False"]
