@@ -137,6 +137,7 @@ def enqueue(
 ) -> None:
     """Template every row with the model's chat template and enqueue one job per prompt."""
     from producer.plan import plan_from_flags, plan_from_run_file
+    from producer.readers import detect_format
     from producer.runfile import load_run_file
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
@@ -169,6 +170,8 @@ def enqueue(
                     "top_p": top_p,
                 },
             )
+        for dataset_plan in plan.datasets:  # a bad input is the first thing to hear about
+            detect_format(dataset_plan.path, dataset_plan.fmt)
         if not dry_run:
             _ready(settings)
         report = _enqueue_or_explain(settings, plan, dry_run, workers)

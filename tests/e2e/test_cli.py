@@ -145,6 +145,10 @@ def test_missing_file_is_a_clear_error(settings: Settings, tmp_path: Path) -> No
     result = quick_enqueue(missing, settings)
     assert result.returncode == 2
     assert str(missing) in result.stderr.replace("\n", "") and "no such file" in result.stderr
+    # Without services too: the input is the first thing to fix, and the cheapest to check.
+    args = ("--run", "r", "--dataset", "d", "--tokenizer", str(TOKENIZER_DIR), str(missing))
+    alone = eaglegen("enqueue", *args, env={"EAGLEGEN_DATA_DIR": str(tmp_path)})
+    assert alone.returncode == 2 and "no such file" in alone.stderr
 
 
 def test_no_services_configured_says_how_to_fix_it(tmp_path: Path) -> None:
