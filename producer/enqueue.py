@@ -70,14 +70,18 @@ class DatabaseSink:
 
 @dataclass
 class DrySink:
-    """Count what would be new without writing anything (16-byte digests keep memory small)."""
+    """Count what would be new without writing anything.
+
+    Each prompt is remembered as the first 64 bits of its sha256 (~50 bytes in the set): a
+    false duplicate among a million prompts has a chance of about 3 in 100 million.
+    """
 
     budget_tokens: int | None
-    seen: set[bytes] = field(default_factory=set)
+    seen: set[int] = field(default_factory=set)
 
     def write(self, prepared: Prepared) -> int:
         before = len(self.seen)
-        self.seen.update(bytes.fromhex(sha)[:16] for sha in prepared.jobs.prompt_sha256)
+        self.seen.update(int(sha[:16], 16) for sha in prepared.jobs.prompt_sha256)
         return len(self.seen) - before
 
 
