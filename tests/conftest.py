@@ -18,6 +18,8 @@ import redis
 
 from eaglegen.settings import ServerSpec, Settings, normalize_database_url
 from eaglegen.stack import EmbeddedPostgres, EmbeddedRedis
+from models.db import make_engine
+from models.repository import Repository
 
 if TYPE_CHECKING:
     from eaglegen.sim import SimServer
@@ -126,3 +128,12 @@ def settings(database_url: str, broker_url: str, sim: SimServer, tmp_path: Path)
         # The pid too: two pytest sessions on one machine may pick the same Redis db.
         queue=f"eaglegen-test-{os.getpid()}-{next(_counter)}",
     )
+
+
+@pytest.fixture
+def repo(settings: Settings) -> Iterator[Repository]:
+    """A repository on this test's database."""
+    assert settings.database_url is not None
+    engine = make_engine(settings.database_url)
+    yield Repository(engine)
+    engine.dispose()

@@ -17,6 +17,7 @@ from eaglegen.queue import BulkPublisher
 from eaglegen.settings import Settings
 from models.repository import Repository
 from tests.faults.harness import state_counts, wait_for, worker_env
+from tests.helpers import live_children
 from worker.reconcile import job_ids_in_queue, reconcile
 
 pytestmark = pytest.mark.faults
@@ -88,14 +89,7 @@ def test_an_enqueue_killed_mid_run_is_finished_by_a_rerun_and_the_reconciler(
 
 def template_workers(enqueue: int) -> list[int]:
     """The template worker processes of an enqueue: the children of its fork server."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
+    children = live_children()
     servers = [
         pid
         for pid in children.get(enqueue, [])

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ import pytest
 
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.settings import Settings
-from models.db import make_engine
 from models.repository import Repository
 from producer import enqueue
 from producer.commands import run_enqueue
@@ -25,7 +23,7 @@ from producer.plan import DatasetPlan, RunPlan
 from producer.prepare import Prepared, prepare
 from producer.readers import iter_rows
 from producer.template import Templater
-from tests.helpers import sample_rows, write_jsonl
+from tests.helpers import descendants, sample_rows, write_jsonl
 
 BAD_ROWS: list[Any] = [
     "{broken json",
@@ -74,14 +72,6 @@ def test_pool_and_in_process_prepare_the_same_batches(
     assert flat(pooled) == flat(expected)
     reasons = {r.reason for p in expected for r in p.rejections}
     assert reasons == {"invalid_json", "not_an_object", "empty_prompt", "unknown_role", "too_long"}
-
-
-@pytest.fixture
-def repo(settings: Settings) -> Iterator[Repository]:
-    assert settings.database_url is not None
-    engine = make_engine(settings.database_url)
-    yield Repository(engine)
-    engine.dispose()
 
 
 def test_enqueue_with_workers_stores_what_in_process_stores(
@@ -135,20 +125,6 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and running(int(entry.name)):
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

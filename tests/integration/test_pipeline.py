@@ -11,19 +11,10 @@ from celery.contrib.testing.worker import start_worker
 
 from eaglegen.settings import Settings
 from eaglegen.sim import SimServer
-from models.db import make_engine
 from models.repository import Repository
 from models.states import JobState
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from worker.app import create_worker_app
-
-
-@pytest.fixture
-def repo(settings: Settings) -> Iterator[Repository]:
-    assert settings.database_url is not None
-    engine = make_engine(settings.database_url)
-    yield Repository(engine)
-    engine.dispose()
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,21 +11,12 @@ import redis
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.settings import Settings
 from models.budget import BudgetBasis
-from models.db import make_engine
 from models.repository import Repository
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan, plan_from_run_file
 from producer.rows import to_prompt
 from producer.runfile import load_run_file
 from tests.helpers import enqueue_file, sample_rows, write_jsonl
-
-
-@pytest.fixture
-def repo(settings: Settings) -> Iterator[Repository]:
-    assert settings.database_url is not None
-    engine = make_engine(settings.database_url)
-    yield Repository(engine)
-    engine.dispose()
 
 
 def queue_length(settings: Settings) -> int:

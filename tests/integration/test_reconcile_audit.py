@@ -12,20 +12,11 @@ import redis
 
 from eaglegen.queue import BulkPublisher
 from eaglegen.settings import Settings
-from models.db import make_engine
 from models.records import GenerationRecord
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, write_jsonl
 from worker.reconcile import job_ids_in_queue, reconcile
 from worker.slots import SlotPool
-
-
-@pytest.fixture
-def repo(settings: Settings) -> Iterator[Repository]:
-    assert settings.database_url is not None
-    engine = make_engine(settings.database_url)
-    yield Repository(engine)
-    engine.dispose()
 
 
 @pytest.fixture

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.settings import Settings
-from models.db import make_engine
 from models.repository import Repository
 from producer import enqueue
 from producer.commands import run_enqueue
@@ -35,14 +33,6 @@ def remote_tokenizer(tmp_path: Path) -> Path:
     config["auto_map"] = {"AutoTokenizer": ["tokenization_tiny.TinySlowTokenizer", None]}
     config_path.write_text(json.dumps(config))
     return folder
-
-
-@pytest.fixture
-def repo(settings: Settings) -> Iterator[Repository]:
-    assert settings.database_url is not None
-    engine = make_engine(settings.database_url)
-    yield Repository(engine)
-    engine.dispose()
 
 
 def plan(tokenizer: Path, data: Path, run: str, *, trust: bool) -> RunPlan:

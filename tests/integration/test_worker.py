@@ -23,7 +23,6 @@ from sqlalchemy import text
 import worker.retry
 from eaglegen.settings import ServerSpec, Settings
 from eaglegen.sim import SimConfig, SimServer
-from models.db import make_engine
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from worker.app import create_worker_app
@@ -63,15 +62,6 @@ def faults(sim: SimServer) -> Iterator[Faults]:
 
         yield set_faults
         set_faults()
-
-
-@pytest.fixture
-def repo(settings: Settings) -> Iterator[Repository]:
-    """A repository on this test's database."""
-    assert settings.database_url is not None
-    engine = make_engine(settings.database_url)
-    yield Repository(engine)
-    engine.dispose()
 
 
 def tuned(settings: Settings, **overrides: Any) -> Settings:

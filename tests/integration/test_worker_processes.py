@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import redis
 from sqlalchemy import text
 
@@ -24,7 +23,6 @@ from eaglegen import keys
 from eaglegen.settings import Settings
 from eaglegen.sim import SimConfig, SimServer
 from eaglegen.sim.metrics import parse
-from models.db import make_engine
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from worker import numa
@@ -33,15 +31,6 @@ from worker.commands import alive_workers
 LIMIT = 8
 # ~20 ms decode steps: a 24-token answer holds its request (and its slot) for ~0.5 s.
 SLOW = SimConfig(seed=99, decode_step_ms=20.0, decode_ms_per_request=0.0)
-
-
-@pytest.fixture
-def repo(settings: Settings) -> Iterator[Repository]:
-    """A repository on this test's database."""
-    assert settings.database_url is not None
-    engine = make_engine(settings.database_url)
-    yield Repository(engine)
-    engine.dispose()
 
 
 def worker_env(settings: Settings, servers: list[dict[str, Any]]) -> dict[str, str]:
