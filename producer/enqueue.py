@@ -257,13 +257,13 @@ def enqueue_dataset(
     # Rows stay undecoded here: decoding is part of preparing, which may run in workers.
     rows = iter_rows(dataset.path, dataset.fmt, decode=False)
     rows = select_rows(rows, dataset.limit, dataset.sample_seed)
-    preparing: deque[tuple[int, Future[Prepared]]] = deque()
+    preparing: deque[tuple[int, Future[Prepared] | Future[str]]] = deque()
     writing: deque[tuple[int, Prepared, Future[int]]] = deque()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="enqueue-writer") as writer:
 
         def write_oldest() -> None:
             size, prepared = preparing.popleft()
-            done = prepared.result()  # re-raises a failed batch here
+            done = preparer.result(prepared)  # re-raises a failed batch here
             writing.append((size, done, writer.submit(sink.write, done)))
             while len(writing) > WRITES_IN_FLIGHT:
                 _account(stats, *writing.popleft(), dataset.name, progress)

@@ -12,7 +12,10 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import pickle
+import shutil
 import signal
+import tempfile
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing.context import BaseContext
@@ -40,8 +43,9 @@ _PRELOAD = (
     "producer.forkserver",
 )
 
-# This process's Templater when it is a pool worker (set by the pool initializer).
+# This process's Templater and spool folder when it is a pool worker (set by the initializer).
 _worker_templater: Templater | None = None
+_worker_spool: Path | None = None
 
 
 def default_workers() -> int:
@@ -71,6 +75,7 @@ class Preparer:
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="enqueue-tokenize")
         self._pool: ProcessPoolExecutor | None = None
         self._ready: list[Future[None]] = []
+        self._spool: Path | None = None
 
     @property
     def ahead(self) -> int:
@@ -81,7 +86,7 @@ class Preparer:
 
     def submit(
         self, batch: list[RawRow], max_context_len: int | None, max_new_tokens: int
-    ) -> Future[Prepared]:
+    ) -> Future[Prepared] | Future[str]:
         """Start preparing ``batch``; the future holds its jobs and rejections."""
         self._rows += len(batch)
         auto = self.start_after_rows is not None
@@ -100,12 +105,26 @@ class Preparer:
             tokenize, self.templater, rendered, max_context_len, max_new_tokens
         )
 
+    def result(self, future: Future[Prepared] | Future[str]) -> Prepared:
+        """The prepared batch of ``future``; a worker's comes from its spool file."""
+        value = future.result()  # re-raises a failed batch, or BrokenProcessPool
+        if isinstance(value, Prepared):
+            return value
+        spooled = Path(value)
+        with spooled.open("rb") as handle:
+            prepared: Prepared = pickle.load(handle)  # our own worker wrote it, just now
+        spooled.unlink()
+        return prepared
+
     def close(self) -> None:
         """Stop the helpers; batches not yet started are dropped (the caller is done)."""
         self._tokenizing.shutdown(wait=True, cancel_futures=True)
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        if self._spool is not None:
+            shutil.rmtree(self._spool, ignore_errors=True)
+            self._spool = None
 
     def __enter__(self) -> Preparer:
         return self
@@ -115,11 +134,21 @@ class Preparer:
 
     def _start_pool(self) -> None:
         templater = self.templater
+        # Workers hand batches back through files here; the executor's pipe carries only
+        # their names. A worker killed while writing a large result into that pipe (an OOM
+        # kill) left half a message there, and CPython's executor then waited for the rest
+        # forever; a short message is written whole, and a death before it is noticed.
+        self._spool = Path(tempfile.mkdtemp(prefix="eaglegen-spool-"))
         self._pool = ProcessPoolExecutor(
             self.workers,
             mp_context=_context(),
             initializer=_start_worker,
-            initargs=(templater.path, templater.trust_remote_code, templater.template_kwargs),
+            initargs=(
+                templater.path,
+                templater.trust_remote_code,
+                templater.template_kwargs,
+                self._spool,
+            ),
         )
         if self.start_after_rows is not None:  # a no-op task per worker: done once it is ready
             self._ready = [self._pool.submit(_ready) for _ in range(self.workers)]
@@ -138,9 +167,12 @@ def _context() -> BaseContext:
     return context
 
 
-def _start_worker(path: Path, trust_remote_code: bool, template_kwargs: dict[str, Any]) -> None:
+def _start_worker(
+    path: Path, trust_remote_code: bool, template_kwargs: dict[str, Any], spool: Path
+) -> None:
     """Pool initializer: build this worker's Templater once."""
-    global _worker_templater
+    global _worker_templater, _worker_spool
+    _worker_spool = spool
     # Ctrl-C reaches the whole process group; the main process decides and shuts the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A main process killed outright (SIGTERM, SIGKILL) never shuts the pool down, and the
@@ -161,6 +193,8 @@ def _start_worker(path: Path, trust_remote_code: bool, template_kwargs: dict[str
 
 def _exit_after(parent: multiprocessing.process.BaseProcess) -> None:
     parent.join()
+    if _worker_spool is not None:  # the parent that would have removed it is gone
+        shutil.rmtree(_worker_spool, ignore_errors=True)
     os._exit(1)
 
 
@@ -168,13 +202,15 @@ def _ready() -> None:
     """A no-op task: done once some worker has run its initializer."""
 
 
-def _prepare_batch(
-    batch: list[_WireRow], max_context_len: int | None, max_new_tokens: int
-) -> Prepared:
-    """Pool task: prepare one batch with this worker's Templater."""
+def _prepare_batch(batch: list[_WireRow], max_context_len: int | None, max_new_tokens: int) -> str:
+    """Pool task: prepare one batch with this worker's Templater; the spool file's name."""
     assert _worker_templater is not None, "the pool initializer did not run"
     rows = [_from_wire(row) for row in batch]
-    return prepare(_worker_templater, rows, max_context_len, max_new_tokens)
+    prepared = prepare(_worker_templater, rows, max_context_len, max_new_tokens)
+    descriptor, name = tempfile.mkstemp(dir=_worker_spool, suffix=".batch")
+    with os.fdopen(descriptor, "wb") as handle:
+        pickle.dump(prepared, handle, protocol=pickle.HIGHEST_PROTOCOL)
+    return name
 
 
 # A RawRow as sent to a worker: RowError's constructor takes (reason, detail), which the

@@ -55,7 +55,7 @@ def prepared_by(preparer: Preparer, path: Path, size: int) -> list[Prepared]:
         # Undecoded rows, as the enqueue reads them: decoding happens where a batch goes.
         rows = iter_rows(path, decode=False)
         futures = [preparer.submit(b, 200, 64) for b in batches(rows, size)]
-        return [f.result() for f in futures]
+        return [preparer.result(f) for f in futures]
 
 
 @pytest.mark.parametrize("template_kwargs", [{}, {"thinking": False}])
