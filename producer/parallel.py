@@ -4,7 +4,8 @@ Rendering the chat template (jinja) and building jobs is Python work that holds 
 threads cannot spread it over cores; worker processes can. Each worker builds its own
 Templater once, from the same tokenizer files and template kwargs as this process, and runs
 the same `prepare`, so jobs and rejections are the same wherever a batch went. Results come
-back as futures that the caller consumes in submission order.
+back as futures that the caller turns into batches with `Preparer.result`, in submission
+order (a worker's batch waits in a spool file: see `Preparer._start_pool`).
 """
 
 from __future__ import annotations
