@@ -50,14 +50,12 @@ def _enqueue_or_explain(settings: Any, plan: Any, dry_run: bool, workers: int | 
     """Run the enqueue; a service lost mid-run is one sentence saying how to finish the job."""
     from concurrent.futures.process import BrokenProcessPool
 
-    import psycopg
     import redis as redis_lib
     from sqlalchemy.exc import OperationalError
 
     from eaglegen.settings import redact
     from producer.commands import run_enqueue
 
-    lost_postgres = (OperationalError, psycopg.OperationalError)  # COPY runs on psycopg's own
     try:
         return run_enqueue(settings, plan, dry_run=dry_run, workers=workers)
     except BrokenProcessPool as exc:
@@ -65,8 +63,8 @@ def _enqueue_or_explain(settings: Any, plan: Any, dry_run: bool, workers: int | 
             "a template worker process died (killed, or out of memory?). What was stored "
             "stays; run the same enqueue again, with --workers 0 to template in one process"
         ) from exc
-    except (*lost_postgres, redis_lib.ConnectionError) as exc:
-        service = "Postgres" if isinstance(exc, lost_postgres) else "Redis"
+    except (OperationalError, redis_lib.ConnectionError) as exc:
+        service = "Postgres" if isinstance(exc, OperationalError) else "Redis"
         url = settings.database_url if service == "Postgres" else settings.broker_url
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         raise ValueError(

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import OperationalError
 
 from models.audit import AuditQueries
 from models.budgets import BudgetQueries
@@ -142,14 +144,18 @@ class Repository(JobQueries, BudgetQueries, AuditQueries):
         with self.engine.begin() as conn:
             driver = conn.connection.driver_connection  # psycopg's own, for COPY
             assert driver is not None, "a checked-out connection has its driver connection"
-            with driver.cursor() as cursor:
-                cursor.execute(_CREATE_STAGE)
-                with cursor.copy(_COPY_STAGE) as copy:
-                    copy.set_types(_STAGE_TYPES)
-                    for row in batch.rows():
-                        copy.write_row(row)
-                cursor.execute(_INSERT_STAGED, (dataset_id,))
-                return [int(r[0]) for r in cursor.fetchall()]
+            try:
+                with driver.cursor() as cursor:
+                    cursor.execute(_CREATE_STAGE)
+                    with cursor.copy(_COPY_STAGE) as copy:
+                        copy.set_types(_STAGE_TYPES)
+                        for row in batch.rows():
+                            copy.write_row(row)
+                    cursor.execute(_INSERT_STAGED, (dataset_id,))
+                    return [int(r[0]) for r in cursor.fetchall()]
+            except psycopg.OperationalError as exc:
+                # Past SQLAlchemy here: raise what every other query raises on a lost server.
+                raise OperationalError(_COPY_STAGE, None, exc) from exc
 
     def record_rejections(self, dataset_id: int, rejections: Iterable[Rejection]) -> None:
         """Store rejected rows; a row rejected again on a re-run is kept once."""

@@ -12,6 +12,7 @@ from eaglegen.settings import Settings
 from models.repository import Repository
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan
+from producer.rows import to_prompt
 from producer.stats import DatasetStats
 
 
@@ -91,3 +92,17 @@ def descendants(root: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def reference_ids(tokenizer: Any, row: dict[str, Any], **template_kwargs: Any) -> list[int]:
+    """What transformers' apply_chat_template gives for the row: the ground truth."""
+    prompt = to_prompt(row)
+    ids = tokenizer.apply_chat_template(
+        prompt.messages,
+        tools=prompt.tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **template_kwargs,
+    )
+    return list(ids)

@@ -14,9 +14,8 @@ from models.budget import BudgetBasis
 from models.repository import Repository
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan, plan_from_run_file
-from producer.rows import to_prompt
 from producer.runfile import load_run_file
-from tests.helpers import enqueue_file, sample_rows, write_jsonl
+from tests.helpers import enqueue_file, reference_ids, sample_rows, write_jsonl
 
 
 def queue_length(settings: Settings) -> int:
@@ -26,20 +25,6 @@ def queue_length(settings: Settings) -> int:
         return int(client.llen(settings.queue))
     finally:
         client.close()
-
-
-def reference_ids(tokenizer: Any, row: dict[str, Any], **template_kwargs: Any) -> list[int]:
-    """What transformers' apply_chat_template gives for the row: the ground truth."""
-    prompt = to_prompt(row)
-    ids = tokenizer.apply_chat_template(
-        prompt.messages,
-        tools=prompt.tools,
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
-        **template_kwargs,
-    )
-    return list(ids)
 
 
 def test_stored_input_ids_equal_apply_chat_template(

@@ -14,9 +14,8 @@ from models.repository import Repository
 from producer import enqueue
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan
-from producer.rows import to_prompt
 from producer.template import Templater
-from tests.helpers import sample_rows, write_jsonl
+from tests.helpers import reference_ids, sample_rows, write_jsonl
 
 MODULE = Path(__file__).parent.parent / "data" / "remote_tokenizer" / "tokenization_tiny.py"
 
@@ -66,15 +65,7 @@ def test_remote_code_tokenizer_stores_its_own_apply_chat_template_ids(
     for job_id in repo.job_ids():
         job = repo.job(job_id)
         assert job is not None
-        prompt = to_prompt(rows[job["row_index"]])
-        expected = tokenizer.apply_chat_template(
-            prompt.messages,
-            tools=prompt.tools,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        assert job["input_ids"] == list(expected)
+        assert job["input_ids"] == reference_ids(tokenizer, rows[job["row_index"]])
 
 
 def test_remote_code_runs_only_when_trusted(
