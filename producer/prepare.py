@@ -9,6 +9,8 @@ import json
 import re
 from dataclasses import dataclass
 
+import orjson
+
 from models.records import JobBatch, Rejection, prompt_sha256
 from models.tokens import pack
 from producer.rows import Prompt, RawRow, RowError, to_prompt
@@ -55,9 +57,23 @@ def render(templater: Templater, batch: list[RawRow]) -> Rendered:
     ):
         if isinstance(text, RowError):
             rejections.append(Rejection(raw.index, text.reason, excerpt(raw, text)))
+        elif not text.isascii() and not _is_unicode(text):
+            rejections.append(Rejection(raw.index, _SURROGATE.reason, excerpt(raw, _SURROGATE)))
         else:
             rendered.append((raw, prompt, text))
     return Rendered(rendered, rejections)
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate, which no tokenizer (nor UTF-8) takes.
+
+    JSON can spell one ("\\ud800"); it would fail the whole batch's tokenization.
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def tokenize(
@@ -88,9 +104,10 @@ def build_jobs(
         # A prompt repeated inside one batch is one job; the database dedups across batches.
         if sha256 in seen:
             continue
-        messages = _messages_json(prompt)
-        if _holds_nul(messages):
-            rejections.append(Rejection(raw.index, _NUL.reason, excerpt(raw, _NUL)))
+        try:
+            messages = _messages_json(prompt)
+        except RowError as err:
+            rejections.append(Rejection(raw.index, err.reason, excerpt(raw, err)))
             continue
         seen.add(sha256)
         jobs.add(raw.index, sha256, packed, len(input_ids), messages)
@@ -102,6 +119,12 @@ def build_jobs(
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 _NUL = RowError(
     "unsupported_content", "a NUL character (U+0000) in the prompt, which Postgres cannot store"
+)
+_SURROGATE = RowError(
+    "unsupported_content", "a lone surrogate (U+D800-U+DFFF) in the prompt: not valid Unicode"
+)
+_NAN = RowError(
+    "unsupported_content", "a NaN or infinite number in the messages or tools, which JSON lacks"
 )
 
 
@@ -120,12 +143,36 @@ def _too_long(prompt_tokens: int, max_context_len: int | None, max_new: int) -> 
 
 
 def _messages_json(prompt: Prompt) -> str:
-    """What the job stores of its prompt: the messages and tools the template received."""
-    return json.dumps({"messages": prompt.messages, "tools": prompt.tools}, ensure_ascii=False)
+    """What the job stores of its prompt: the messages and tools the template received.
+
+    Raises RowError for what Postgres's jsonb cannot hold (NUL, NaN, a lone surrogate): one
+    such row would fail its whole batch's insert.
+    """
+    document = {"messages": prompt.messages, "tools": prompt.tools}
+    try:
+        data = orjson.dumps(document)  # a tenth of json.dumps's CPU
+    except TypeError:  # orjson refuses non-string keys, integers beyond 64 bits, surrogates
+        data = None
+    # orjson writes NaN and infinities as null; only json tells them from None. Without
+    # tools, the one null is "tools"; messages rarely hold another.
+    if data is not None and data.count(b"null") == (prompt.tools is None):
+        text = data.decode()
+    else:
+        try:
+            text = json.dumps(document, ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            raise _NAN from None
+        if not _is_unicode(text):
+            raise _SURROGATE
+    if _holds_nul(text):
+        raise _NUL
+    return text
 
 
 def excerpt(raw: RawRow, err: RowError) -> str:
     """The reason's detail and the start of the row, for `rejected_rows`."""
     source = raw.excerpt or json.dumps(raw.value, ensure_ascii=False, default=str)
-    # Postgres text cannot hold NUL, which a line of binary garbage may carry.
-    return f"{err.detail} | {source[:300]}".replace("\x00", "\\x00")
+    # Postgres text cannot hold NUL, which a line of binary garbage may carry, nor a lone
+    # surrogate (no UTF-8 for it): both are written as escapes.
+    text = f"{err.detail} | {source[:300]}".replace("\x00", "\\x00")
+    return text if _is_unicode(text) else text.encode("utf-8", "backslashreplace").decode()

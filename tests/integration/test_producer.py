@@ -75,16 +75,20 @@ def test_bad_rows_are_recorded_and_the_run_goes_on(
         {"prompt": "a NUL \u0000 inside"},  # jsonb cannot hold it: it failed the whole batch
         {"prompt": "a backslash and u0000: \\u0000"},  # only looks like one
         "binary \x00 garbage",  # its excerpt once failed the insert of the rejections
+        # These two failed the whole batch (tokenizer; jsonb), and so the run:
+        {"prompt": "a lone surrogate \ud800 here"},
+        {"prompt": "hi", "tools": [tool_with_default(float("nan"))]},
+        {"prompt": "hello", "tools": [tool_with_default(None)]},  # a null is fine
     ]
     summary = enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", rows))
-    assert summary.accepted == 4
+    assert summary.accepted == 5
     assert summary.duplicates == 1
-    assert summary.rejected == 5
+    assert summary.rejected == 7
     assert dict(summary.rejected_by_reason) == {
         "invalid_json": 2,
         "not_an_object": 1,
         "empty_prompt": 1,
-        "unsupported_content": 1,
+        "unsupported_content": 3,
     }
     assert repo.rejected_rows() == [
         (1, "invalid_json"),
@@ -92,7 +96,21 @@ def test_bad_rows_are_recorded_and_the_run_goes_on(
         (3, "empty_prompt"),
         (7, "unsupported_content"),
         (9, "invalid_json"),
+        (10, "unsupported_content"),
+        (11, "unsupported_content"),
     ]
+    stored = [repo.job(i) for i in repo.job_ids()]
+    with_null = [job for job in stored if job is not None and job["row_index"] == 12]
+    assert with_null[0]["messages"]["tools"] == [tool_with_default(None)]
+
+
+def tool_with_default(value: Any) -> dict[str, Any]:
+    """A tool whose one parameter has ``value`` as its default."""
+    parameters = {"type": "object", "properties": {"x": {"type": "number", "default": value}}}
+    return {
+        "type": "function",
+        "function": {"name": "f", "description": "d", "parameters": parameters},
+    }
 
 
 def test_thinking_kwarg_reaches_the_template(
