@@ -61,8 +61,16 @@ class Templater:
             raise ValueError(f"{tokenizer_path}: the tokenizer has no chat template")
         self.template_kwargs = dict(template_kwargs or {})
         _flatten_template_globals(self.tokenizer.chat_template)
+        self._render_jinja = _render_function()
+        if self._render_jinja is not None and not self._direct_render_agrees():
+            self._render_jinja = None
         # Slow (pure-Python or remote-code) tokenizers have no Rust backend.
         self._backend: Any = getattr(self.tokenizer, "backend_tokenizer", None)
+
+    @property
+    def renders_directly(self) -> bool:
+        """Whether prompts without tools skip apply_chat_template (see `_render_plain`)."""
+        return self._render_jinja is not None
 
     @property
     def is_fast(self) -> bool:
@@ -89,16 +97,7 @@ class Templater:
         out: list[str | RowError] = [""] * len(prompts)
         plain = [i for i, p in enumerate(prompts) if p.tools is None]
         try:
-            texts = (
-                self.tokenizer.apply_chat_template(
-                    [prompts[i].messages for i in plain],
-                    add_generation_prompt=True,
-                    tokenize=False,
-                    **self.template_kwargs,
-                )
-                if plain
-                else []
-            )
+            texts = self._render_plain([prompts[i].messages for i in plain]) if plain else []
         except Exception:  # one bad row fails the batch: render one by one to find it
             texts, plain = [], []
         for i, text in zip(plain, texts, strict=True):
@@ -106,6 +105,51 @@ class Templater:
         for i in sorted(set(range(len(prompts))) - set(plain)):
             out[i] = self._render_or_error(prompts[i])
         return out
+
+    def _render_plain(self, conversations: list[list[dict[str, Any]]]) -> list[str]:
+        """Render conversations without tools as apply_chat_template(tokenize=False) does.
+
+        apply_chat_template drops None-valued message keys, then calls transformers'
+        render_jinja_template; `producer.rows` already dropped them (the step was a fifth of
+        rendering a short prompt), so where that function exists it is called directly,
+        with the arguments apply_chat_template gives it. `_direct_render_agrees` checked at
+        load time that both render the same.
+        """
+        if self._render_jinja is None:
+            texts = self.tokenizer.apply_chat_template(
+                conversations, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+            )
+            return [str(text) for text in texts]
+        rendered, _ = self._render_jinja(
+            conversations=conversations,
+            chat_template=self.tokenizer.get_chat_template(None, None),
+            add_generation_prompt=True,
+            **{**self.tokenizer.special_tokens_map, **self.template_kwargs},
+        )
+        return [str(text) for text in rendered]
+
+    def _direct_render_agrees(self) -> bool:
+        """Whether calling render_jinja_template directly renders as apply_chat_template."""
+        probes = [
+            [{"role": "user", "content": "hi"}],
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello", "reasoning_content": "greet"},
+                {"role": "user", "content": "bye"},
+            ],
+        ]
+        try:
+            direct = self._render_plain(probes)
+        except Exception:  # e.g. a template that needs what only apply_chat_template passes
+            return False
+        saved, self._render_jinja = self._render_jinja, None
+        try:
+            return direct == self._render_plain(probes)
+        except Exception:
+            return False
+        finally:
+            self._render_jinja = saved
 
     def _render_or_error(self, prompt: Prompt) -> str | RowError:
         try:
@@ -166,6 +210,15 @@ class Templater:
         template = self.tokenizer.chat_template
         text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _render_function() -> Any:
+    """transformers' render_jinja_template, where this version has it (4.49 and later)."""
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:
+        return None
+    return render_jinja_template
 
 
 def _flatten_template_globals(chat_template: str | dict[str, str]) -> None:

@@ -56,6 +56,7 @@ def test_render_and_encode_equal_a_fresh_transformers(
     prompts = [to_prompt(row) for row in sample_rows(300)]
     assert any(p.tools for p in prompts) and any(len(p.messages) > 3 for p in prompts)
     templater = Templater(TOKENIZER_DIR, template_kwargs=kwargs)
+    assert templater.renders_directly  # the fast path is what must equal transformers here
     texts = templater.render_many(prompts)
     ids = templater.encode_batch([str(t) for t in texts])
     expected = reference(
@@ -63,3 +64,22 @@ def test_render_and_encode_equal_a_fresh_transformers(
     )
     assert texts == [e["text"] for e in expected]
     assert ids == [e["ids"] for e in expected]
+
+
+def test_a_direct_render_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    from producer import template
+
+    def render_otherwise(**kwargs: Any) -> tuple[list[str], list[Any]]:
+        return [f"not the template {i}" for i in range(len(kwargs["conversations"]))], []
+
+    monkeypatch.setattr(template, "_render_function", lambda: render_otherwise)
+    templater = Templater(TOKENIZER_DIR)
+    assert not templater.renders_directly
+    prompts = [to_prompt(row) for row in sample_rows(20)]
+    expected = [
+        templater.tokenizer.apply_chat_template(
+            p.messages, tools=p.tools, add_generation_prompt=True, tokenize=False
+        )
+        for p in prompts
+    ]
+    assert templater.render_many(prompts) == expected
