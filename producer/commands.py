@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 
 from rich.console import Console
@@ -24,7 +25,7 @@ from eaglegen.settings import Settings
 from models.db import make_engine
 from models.repository import Repository
 from producer.enqueue import Progress as ProgressFn
-from producer.enqueue import RunReport, enqueue_run
+from producer.enqueue import RunReport, enqueue_run, make_preparer
 from producer.plan import DatasetPlan, RunPlan
 from producer.readers import count_rows
 from producer.template import Templater
@@ -48,30 +49,38 @@ def run_enqueue(
         trust_remote_code=plan.trust_remote_code,
         template_kwargs=plan.chat_template_kwargs,
     )
-    if dry_run:
-        return _with_progress(
-            plan,
-            quiet,
-            lambda progress: enqueue_run(
-                plan, templater, repo=None, publisher=None, progress=progress, workers=workers
-            ),
-        )
-    assert settings.database_url is not None and settings.broker_url is not None
-    engine = make_engine(settings.database_url, pool_size=2)
-    publisher = BulkPublisher(settings.broker_url, settings.queue)
-    try:
+    # Before the progress bars' threads start: workers can then fork from this process.
+    with (
+        make_preparer(plan, templater, workers) as preparer,
+        _services(settings, dry_run) as (repo, publisher),
+    ):
         return _with_progress(
             plan,
             quiet,
             lambda progress: enqueue_run(
                 plan,
                 templater,
-                repo=Repository(engine),
+                repo=repo,
                 publisher=publisher,
                 progress=progress,
-                workers=workers,
+                preparer=preparer,
             ),
         )
+
+
+@contextmanager
+def _services(
+    settings: Settings, dry_run: bool
+) -> Iterator[tuple[Repository | None, BulkPublisher | None]]:
+    """The repository and publisher an enqueue writes to; none for a dry run."""
+    if dry_run:
+        yield None, None
+        return
+    assert settings.database_url is not None and settings.broker_url is not None
+    engine = make_engine(settings.database_url, pool_size=2)
+    publisher = BulkPublisher(settings.broker_url, settings.queue)
+    try:
+        yield Repository(engine), publisher
     finally:
         engine.dispose()
         publisher.close()

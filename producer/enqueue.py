@@ -23,7 +23,14 @@ from eaglegen.queue import BulkPublisher
 from models.budget import format_tokens
 from models.records import DatasetSpec, JobBatch, RunSpec
 from models.repository import Repository
-from producer.parallel import AUTO_START_BYTES, AUTO_START_ROWS, Preparer, default_workers
+from producer.parallel import (
+    AUTO_START_BYTES,
+    AUTO_START_ROWS,
+    FORK_START_BYTES,
+    Preparer,
+    can_fork,
+    default_workers,
+)
 from producer.plan import DatasetPlan, RunPlan
 from producer.prepare import Prepared
 from producer.readers import detect_format, iter_rows
@@ -138,14 +145,13 @@ def enqueue_run(
     repo: Repository | None,
     publisher: BulkPublisher | None,
     progress: Progress | None = None,
-    workers: int | None = None,
+    preparer: Preparer | None = None,
 ) -> RunReport:
     """Enqueue every dataset of ``plan``; with no repository it is a dry run.
 
     Inputs are checked and the run and its datasets are created (or checked against what
     exists) before the first job is written, so a refusal leaves no partial dataset.
-    ``workers`` processes prepare batches (0: all in this process); None picks one per core,
-    started only once an input proves long enough to repay their start-up.
+    ``preparer`` templates the batches (default: `make_preparer`'s); it is closed here.
     """
     for dataset in plan.datasets:
         detect_format(dataset.path, dataset.fmt)
@@ -154,11 +160,7 @@ def enqueue_run(
     sinks = _sinks(plan, templater, params, repo, publisher)
     report = RunReport(plan.run, dry_run=repo is None, datasets=[])
     report.warnings.extend(_budget_warnings(plan, sinks))
-    preparer = (
-        Preparer(templater, default_workers(), start_after_rows=_pool_start_rows(plan))
-        if workers is None
-        else Preparer(templater, workers)
-    )
+    preparer = preparer or make_preparer(plan, templater, None)
     with _frozen_heap(), preparer:
         for dataset in plan.datasets:
             stats = DatasetStats(
@@ -185,17 +187,32 @@ def _budget_warnings(plan: RunPlan, sinks: dict[str, Sink]) -> Iterator[str]:
             )
 
 
-def _pool_start_rows(plan: RunPlan) -> int:
-    """Rows after which worker processes start: none for a big input, else enough to pay."""
-    size = sum(_bytes_on_disk(d.path) for d in plan.datasets)
-    return 0 if size >= AUTO_START_BYTES else AUTO_START_ROWS
+def make_preparer(plan: RunPlan, templater: Templater, workers: int | None) -> Preparer:
+    """Where batches are templated: ``workers`` processes (0: this process), or by default
+    one per core once the input is long enough to repay starting them.
+
+    Call it before this process starts any thread: a pool that starts here forks its
+    workers from this process, at once, instead of from a fork server.
+    """
+    if workers is None:
+        size = sum(_bytes_on_disk(d.path) for d in plan.datasets)
+        if size < (FORK_START_BYTES if can_fork() else AUTO_START_BYTES):
+            return Preparer(templater, default_workers(), start_after_rows=AUTO_START_ROWS)
+        workers = default_workers()
+    preparer = Preparer(templater, workers)
+    preparer.start()
+    return preparer
 
 
 def _bytes_on_disk(path: Path) -> int:
-    """A file's size, or the sum of the files in a folder."""
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return path.stat().st_size
+    """A file's size, or the sum of the files in a folder (0 if unreadable: the enqueue
+    reports that input itself)."""
+    try:
+        if path.is_dir():
+            return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 @contextmanager

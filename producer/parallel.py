@@ -1,9 +1,11 @@
 """Where batches are prepared: in this process, or in worker processes on every core.
 
 Rendering the chat template (jinja) and building jobs is Python work that holds the GIL, so
-threads cannot spread it over cores; worker processes can. Each worker builds its own
-Templater once, from the same tokenizer files and template kwargs as this process, and runs
-the same `prepare`, so jobs and rejections are the same wherever a batch went. Results come
+threads cannot spread it over cores; worker processes can. Workers fork from this process
+while it has no other thread yet (Linux): they start in milliseconds and use this process's
+own Templater. Otherwise they come from a fork server and each builds its Templater from the
+same tokenizer files and template kwargs. All run the same `prepare`, so jobs and rejections
+are the same wherever a batch went. Results come
 back as futures that the caller turns into batches with `Preparer.result`, in submission
 order (a worker's batch waits in a spool file: see `Preparer._start_pool`).
 """
@@ -16,6 +18,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -27,11 +30,13 @@ from producer.prepare import Prepared, prepare, render, tokenize
 from producer.rows import RawRow, RowError
 from producer.template import Templater
 
-# Starting the pool costs about a second of CPU per worker (importing transformers), repaid
-# only by long inputs: without an explicit worker count the pool starts after this many rows,
-# or at once for inputs of AUTO_START_BYTES or more (about as many short chat rows in JSONL).
+# A pool from the fork server costs over a second of CPU (it imports transformers, each worker
+# loads the tokenizer), repaid only by long inputs: without an explicit worker count it starts
+# after this many rows, or at once for inputs of AUTO_START_BYTES or more (about as many short
+# chat rows in JSONL). Workers forked from this process cost milliseconds: FORK_START_BYTES.
 AUTO_START_ROWS = 32_768
 AUTO_START_BYTES = 8 << 20
+FORK_START_BYTES = 1 << 20
 # Imported once by the fork server, so each worker forked from it starts in milliseconds and
 # shares these modules' memory. "__main__" too: each worker would otherwise run the main
 # script again (multiprocessing's "safe importing of main"), which for the `eaglegen` console
@@ -47,6 +52,16 @@ _PRELOAD = (
 # This process's Templater and spool folder when it is a pool worker (set by the initializer).
 _worker_templater: Templater | None = None
 _worker_spool: Path | None = None
+
+
+def can_fork() -> bool:
+    """Whether workers may fork from this process now: Linux, and no other thread running.
+
+    A fork copies only the calling thread; a lock another thread held at that instant stays
+    locked in the child for good. (The tokenizer's own Rust threads are idle between calls,
+    and the tokenizers library turns them off in a forked child.)
+    """
+    return sys.platform.startswith("linux") and threading.active_count() == 1
 
 
 def default_workers() -> int:
@@ -75,6 +90,7 @@ class Preparer:
         self._rows = 0
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="enqueue-tokenize")
         self._pool: ProcessPoolExecutor | None = None
+        self._forked = False
         self._ready: list[Future[None]] = []
         self._spool: Path | None = None
 
@@ -84,6 +100,20 @@ class Preparer:
         if self._pool is not None:
             return 2 * self.workers
         return 1 if self.templater.is_fast else 0
+
+    def start(self) -> None:
+        """Start the worker processes now, not at the first batch.
+
+        Called before this process starts threads (progress bars, the writer), the workers
+        fork from it and are ready at once.
+        """
+        if self._pool is None and self.workers > 0:
+            self._start_pool()
+
+    @property
+    def forked(self) -> bool:
+        """Whether the workers forked from this process (else: from a fork server)."""
+        return self._forked
 
     def submit(
         self, batch: list[RawRow], max_context_len: int | None, max_new_tokens: int
@@ -134,12 +164,15 @@ class Preparer:
         self.close()
 
     def _start_pool(self) -> None:
-        templater = self.templater
         # Workers hand batches back through files here; the executor's pipe carries only
         # their names. A worker killed while writing a large result into that pipe (an OOM
         # kill) left half a message there, and CPython's executor then waited for the rest
         # forever; a short message is written whole, and a death before it is noticed.
         self._spool = Path(tempfile.mkdtemp(prefix="eaglegen-spool-"))
+        if can_fork():
+            self._start_forked_pool(self._spool)
+            return
+        templater = self.templater
         self._pool = ProcessPoolExecutor(
             self.workers,
             mp_context=_context(),
@@ -153,6 +186,29 @@ class Preparer:
         )
         if self.start_after_rows is not None:  # a no-op task per worker: done once it is ready
             self._ready = [self._pool.submit(_ready) for _ in range(self.workers)]
+
+    def _start_forked_pool(self, spool: Path) -> None:
+        """Fork the workers now; they adopt this process's Templater (nothing to reload)."""
+        self._pool = ProcessPoolExecutor(
+            self.workers,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=_adopt_templater,
+            initargs=(self.templater, spool),  # inherited by the fork, never pickled
+        )
+        # One tokenizer thread per worker (see _start_worker). Set before the fork, since
+        # tokenizers checks it then: unset, it warns in every child that it disables them.
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            # With the fork method, the executor forks all its workers at the first submit,
+            # before it starts its own threads.
+            self._ready = [self._pool.submit(_ready)]
+        finally:
+            if saved is None:
+                del os.environ["TOKENIZERS_PARALLELISM"]
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
+        self._forked = True
 
 
 def _context() -> BaseContext:
@@ -171,9 +227,24 @@ def _context() -> BaseContext:
 def _start_worker(
     path: Path, trust_remote_code: bool, template_kwargs: dict[str, Any], spool: Path
 ) -> None:
-    """Pool initializer: build this worker's Templater once."""
+    """Pool initializer of fork-server workers: build this worker's Templater once."""
+    # One tokenizer thread per worker: the workers already fill the cores, and idle threads
+    # of the tokenizer's own pool would spin on them.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _become_worker(
+        Templater(path, trust_remote_code=trust_remote_code, template_kwargs=template_kwargs),
+        spool,
+    )
+
+
+def _adopt_templater(templater: Templater, spool: Path) -> None:
+    """Pool initializer of forked workers: use the Templater the fork copied."""
+    _become_worker(templater, spool)
+
+
+def _become_worker(templater: Templater, spool: Path) -> None:
     global _worker_templater, _worker_spool
-    _worker_spool = spool
+    _worker_templater, _worker_spool = templater, spool
     # Ctrl-C reaches the whole process group; the main process decides and shuts the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A main process killed outright (SIGTERM, SIGKILL) never shuts the pool down, and the
@@ -181,14 +252,9 @@ def _start_worker(
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_after, args=(parent,), daemon=True).start()
-    # One tokenizer thread per worker: the workers already fill the cores, and idle threads
-    # of the tokenizer's own pool would spin on them.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker_templater = Templater(
-        path, trust_remote_code=trust_remote_code, template_kwargs=template_kwargs
-    )
     # The worker's long-lived objects (transformers, the tokenizer) leave the collector's
-    # full passes, which templating's cyclic garbage otherwise triggers again and again.
+    # full passes, which templating's cyclic garbage otherwise triggers again and again; in a
+    # forked worker this also keeps the pages it shares with its parent shared.
     gc.freeze()
 
 

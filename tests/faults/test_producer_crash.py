@@ -88,14 +88,18 @@ def test_an_enqueue_killed_mid_run_is_finished_by_a_rerun_and_the_reconciler(
 
 
 def template_workers(enqueue: int) -> list[int]:
-    """The template worker processes of an enqueue: the children of its fork server."""
+    """The template worker processes of an enqueue: forked from it (its command line), or
+    the children of its fork server."""
     children = live_children()
-    servers = [
-        pid
-        for pid in children.get(enqueue, [])
-        if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
-    return [worker for server in servers for worker in children.get(server, [])]
+    own = Path(f"/proc/{enqueue}/cmdline").read_bytes()
+    workers: list[int] = []
+    for pid in children.get(enqueue, []):
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"forkserver" in command:
+            workers.extend(children.get(pid, []))
+        elif command == own:
+            workers.append(pid)
+    return workers
 
 
 def test_a_template_worker_killed_mid_run_is_a_clear_error(

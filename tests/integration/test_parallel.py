@@ -102,19 +102,23 @@ def test_enqueue_with_workers_stores_what_in_process_stores(
     assert repo.rejected_rows(pooled) == repo.rejected_rows(in_process) != []
 
 
+# A main process with a template pool; with "server", a thread runs before the pool starts,
+# so its workers come from a fork server instead of forking from the main process.
 MAIN = textwrap.dedent("""
-    import sys
+    import sys, threading, time
     from eaglegen.assets import TOKENIZER_DIR
     from producer.parallel import Preparer
     from producer.rows import RawRow
     from producer.template import Templater
 
     if __name__ == "__main__":
+        if sys.argv[1] == "server":
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
         preparer = Preparer(Templater(TOKENIZER_DIR), 2)
         batches = [[RawRow(i, {"prompt": f"hi {i}"})] for i in range(4)]
         for future in [preparer.submit(batch, None, 16) for batch in batches]:
             future.result()
-        print("ready", flush=True)
+        print("ready", "forked" if preparer.forked else "server", flush=True)
         sys.stdin.read()
 """)
 
@@ -128,16 +132,20 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_workers_leave_when_the_main_process_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", ["forked", "server"])
+def test_workers_leave_when_the_main_process_is_killed(tmp_path: Path, start: str) -> None:
     script = tmp_path / "main.py"
     script.write_text(MAIN)
     with subprocess.Popen(
-        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, str(script), start],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     ) as main:
         try:
-            assert main.stdout is not None and main.stdout.readline().strip() == "ready"
+            assert main.stdout is not None and main.stdout.readline().split() == ["ready", start]
             helpers = descendants(main.pid)
-            assert len(helpers) >= 3  # the fork server and two workers
+            assert len(helpers) >= (2 if start == "forked" else 3)  # + the fork server
         finally:
             main.kill()  # no clean-up runs: the pool is never shut down
     deadline = time.monotonic() + 30
@@ -146,9 +154,11 @@ def test_workers_leave_when_the_main_process_is_killed(tmp_path: Path) -> None:
     assert not any(map(running, helpers))
 
 
-# What the installed `eaglegen` console script runs at its top level, then a template pool.
+# What the installed `eaglegen` console script runs at its top level, then a template pool
+# from the fork server (a running thread rules out forking from the main process), whose
+# workers run the main script again.
 CONSOLE_MAIN = textwrap.dedent("""
-    import sys
+    import sys, threading, time
     from eaglegen.__main__ import main  # the console script's own import
 
     def modules() -> list[str]:
@@ -160,8 +170,10 @@ CONSOLE_MAIN = textwrap.dedent("""
         from producer.rows import RawRow
         from producer.template import Templater
 
+        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
         preparer = Preparer(Templater(TOKENIZER_DIR), 1)
         preparer.submit([RawRow(0, {"prompt": "hi"})], None, 16).result()
+        assert not preparer.forked
         here = "eaglegen.cli" in sys.modules
         worker = preparer._pool.submit(modules).result()
         print(here, "eaglegen.cli" in worker, "pydantic" in worker)
