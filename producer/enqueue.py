@@ -65,9 +65,13 @@ class DatabaseSink:
     publisher: BulkPublisher
     dataset_id: int
     budget_tokens: int | None
+    # Until a batch holds prompts the dataset has (a re-run, repeats in the file), jobs are
+    # expected new, which the repository inserts the cheap way (see insert_jobs).
+    expect_new: bool = True
 
     def write(self, prepared: Prepared) -> int:
-        new_ids = self.repo.insert_jobs(self.dataset_id, prepared.jobs)
+        new_ids = self.repo.insert_jobs(self.dataset_id, prepared.jobs, expect_new=self.expect_new)
+        self.expect_new = self.expect_new and len(new_ids) == len(prepared.jobs)
         self.repo.record_rejections(self.dataset_id, prepared.rejections)
         # Published after the commit: a worker must find the job it is told about. A crash
         # between the two leaves jobs queued but unpublished, which `eaglegen reconcile` finds.

@@ -121,13 +121,17 @@ def test_insert_is_idempotent_and_counts_by_state(repo: Repository) -> None:
     assert counts.prompt_tokens == 15
 
 
-def test_insert_returns_new_ids_in_row_order_and_stores_each_column(repo: Repository) -> None:
+# expect_new: the jobs are copied straight into `jobs` (they are all new here).
+@pytest.mark.parametrize("expect_new", [False, True])
+def test_insert_returns_new_ids_in_row_order_and_stores_each_column(
+    repo: Repository, expect_new: bool
+) -> None:
     dataset_id, first = make_dataset(repo, 0)
     jobs = [
         NewJob(i, [9, i, 70_000 + i], {"messages": [{"role": "user", "content": f"é{i}"}]})
         for i in (4, 1, 3)
     ]
-    ids = repo.insert_jobs(dataset_id, JobBatch.of(jobs))
+    ids = repo.insert_jobs(dataset_id, JobBatch.of(jobs), expect_new=expect_new)
     assert first == [] and len(ids) == 3 and ids == sorted(ids)
     stored = [repo.job(job_id) for job_id in ids]
     assert [(j["row_index"], j["input_ids"], j["prompt_tokens"]) for j in stored if j] == [
@@ -143,6 +147,15 @@ def test_insert_returns_new_ids_in_row_order_and_stores_each_column(repo: Reposi
     # A batch mixing old and new prompts gets ids for the new ones only.
     more = repo.insert_jobs(dataset_id, [jobs[0], NewJob(5, [9, 5], {})])
     assert len(more) == 1 and repo.job(more[0])["row_index"] == 5  # type: ignore[index]
+
+
+def test_jobs_expected_new_that_exist_are_skipped_all_the_same(repo: Repository) -> None:
+    dataset_id, old = make_dataset(repo, 3)  # rows 0-2
+    batch = [NewJob(i, [1, 2, i], {"messages": []}) for i in (4, 1, 5, 2)]  # 1, 2 exist
+    new = repo.insert_jobs(dataset_id, batch, expect_new=True)
+    assert [repo.job(i)["row_index"] for i in new] == [4, 5]  # type: ignore[index]
+    assert min(new) > max(old)
+    assert sorted(repo.job_ids()) == sorted(old + new)  # the failed COPY left nothing
 
 
 def test_run_and_dataset_identity_is_enforced(repo: Repository) -> None:
