@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from producer.prepare import Prepared, prepare, render, tokenize
-from producer.rows import RawRow, RowError
+from producer.rows import RawRow, RowError, decode_line
 from producer.template import Templater
 
 # A pool from the fork server costs over a second of CPU (it imports transformers, each worker
@@ -295,5 +295,7 @@ def _to_wire(raw: RawRow) -> _WireRow:
 
 def _from_wire(row: _WireRow) -> RawRow:
     index, value, reason, detail, excerpt, line = row
+    if line is not None:
+        return decode_line(index, line)  # decoded at once: one row object, not two
     error = None if reason is None else RowError(reason, detail)
-    return RawRow(index, value, error, excerpt, line)
+    return RawRow(index, value, error, excerpt)
