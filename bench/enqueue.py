@@ -250,7 +250,8 @@ def stage_costs(path: Path, templater: Templater, database: str, broker: str) ->
     dataset_id = repo.ensure_dataset(run_id, DatasetSpec("d", "s", {}))
     with _server_cpu(database, broker) as servers:
         new = clock.run(
-            "insert (COPY, client)", lambda: [repo.insert_jobs(dataset_id, b) for b in jobs]
+            "insert (COPY, client)",
+            lambda: [repo.insert_jobs(dataset_id, b, expect_new=True) for b in jobs],
         )
         clock.costs["insert (Postgres server)"] = servers.postgres()
         publisher = BulkPublisher(broker, "bench-stages")

@@ -45,7 +45,7 @@ class NewJob:
     input_ids: list[int]
     messages: Any
     packed: bytes = field(init=False, repr=False)
-    prompt_sha256: str = field(init=False)
+    prompt_sha256: bytes = field(init=False)
 
     def __post_init__(self) -> None:
         # Computed once here: the hash and the insert both need the packed bytes.
@@ -54,9 +54,9 @@ class NewJob:
         object.__setattr__(self, "prompt_sha256", prompt_sha256(packed))
 
 
-def prompt_sha256(packed: bytes) -> str:
-    """A prompt's identity: the hash of exactly the ids the model sees (packed)."""
-    return hashlib.sha256(packed).hexdigest()
+def prompt_sha256(packed: bytes) -> bytes:
+    """A prompt's identity: the hash (32 bytes) of exactly the ids the model sees (packed)."""
+    return hashlib.sha256(packed).digest()
 
 
 @dataclass
@@ -68,7 +68,7 @@ class JobBatch:
     """
 
     row_index: list[int] = field(default_factory=list)
-    prompt_sha256: list[str] = field(default_factory=list)
+    prompt_sha256: list[bytes] = field(default_factory=list)
     packed_ids: list[bytes] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     messages_json: list[str] = field(default_factory=list)
@@ -87,7 +87,7 @@ class JobBatch:
             )
         return batch
 
-    def add(self, row_index: int, sha256: str, packed: bytes, tokens: int, messages: str) -> None:
+    def add(self, row_index: int, sha256: bytes, packed: bytes, tokens: int, messages: str) -> None:
         """Append one job."""
         self.row_index.append(row_index)
         self.prompt_sha256.append(sha256)
@@ -98,7 +98,7 @@ class JobBatch:
     def __len__(self) -> int:
         return len(self.row_index)
 
-    def rows(self) -> Iterator[tuple[int, str, bytes, int, str]]:
+    def rows(self) -> Iterator[tuple[int, bytes, bytes, int, str]]:
         """One tuple per job, in column order."""
         return zip(
             self.row_index,

@@ -7,7 +7,6 @@ from operator import itemgetter
 from typing import Any
 
 import psycopg
-from psycopg.types.json import Jsonb
 from sqlalchemy import Engine, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import OperationalError
@@ -43,21 +42,22 @@ class DatasetMismatchError(ValueError):
 # exists after all fails that COPY, and the batch goes through the staging table instead.
 _CREATE_STAGE = """
     CREATE TEMP TABLE IF NOT EXISTS job_stage (
-        row_index integer, prompt_sha256 text, input_ids bytea, prompt_tokens integer,
+        row_index integer, prompt_sha256 bytea, input_ids bytea, prompt_tokens integer,
         messages text
     ) ON COMMIT DELETE ROWS
 """
 _COPY_STAGE = "COPY job_stage FROM STDIN (FORMAT BINARY)"
-_STAGE_TYPES = ("integer", "text", "bytea", "integer", "text")
+_STAGE_TYPES = ("integer", "bytea", "bytea", "integer", "text")
 _NEW_IDS = "SELECT nextval(pg_get_serial_sequence('jobs', 'id')) FROM generate_series(1, %s)"
 _COPY_JOBS = (
     "COPY jobs (id, dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages)"
     " FROM STDIN (FORMAT BINARY)"
 )
-_JOB_TYPES = ("bigint", "bigint", "integer", "text", "bytea", "integer", "jsonb")
+# The messages are JSON text already, and json's binary form is its text.
+_JOB_TYPES = ("bigint", "bigint", "integer", "bytea", "bytea", "integer", "text")
 _INSERT_STAGED = """
     INSERT INTO jobs (dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages)
-    SELECT %s, row_index, prompt_sha256, input_ids, prompt_tokens, messages::jsonb
+    SELECT %s, row_index, prompt_sha256, input_ids, prompt_tokens, messages::json
     FROM job_stage ORDER BY row_index
     ON CONFLICT (dataset_id, prompt_sha256) DO NOTHING
     RETURNING id
@@ -75,12 +75,8 @@ def _copy_new_jobs(
         with cursor.copy(_COPY_JOBS) as copy:
             copy.set_types(_JOB_TYPES)
             in_row_order = sorted(batch.rows(), key=itemgetter(0))  # as the ids ascend
-            for job_id, (row_index, sha256, packed, tokens, messages) in zip(
-                ids, in_row_order, strict=True
-            ):
-                # The messages are JSON text already: jsonb's binary form is that, versioned.
-                document = Jsonb(messages, dumps=_as_is)
-                copy.write_row((job_id, dataset_id, row_index, sha256, packed, tokens, document))
+            for job_id, row in zip(ids, in_row_order, strict=True):
+                copy.write_row((job_id, dataset_id, *row))
     except psycopg.errors.UniqueViolation:
         cursor.execute("ROLLBACK TO SAVEPOINT new_jobs")
         return None
@@ -97,10 +93,6 @@ def _insert_staged(cursor: psycopg.Cursor[Any], dataset_id: int, batch: JobBatch
             copy.write_row(row)
     cursor.execute(_INSERT_STAGED, (dataset_id,))
     return [int(r[0]) for r in cursor.fetchall()]
-
-
-def _as_is(text: str) -> str:
-    return text
 
 
 class Repository(JobQueries, BudgetQueries, AuditQueries):

@@ -18,7 +18,7 @@ from sqlalchemy import (
     UniqueConstraint,
     func,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import BYTEA, JSON, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from models.states import JobState
@@ -92,10 +92,12 @@ class Job(Base):
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"))
     row_index: Mapped[int] = mapped_column(Integer)
-    prompt_sha256: Mapped[str] = mapped_column(String(64))
+    prompt_sha256: Mapped[bytes] = mapped_column(BYTEA)  # the digest: half the index of hex
     input_ids: Mapped[list[int]] = mapped_column(TokenArray)
     prompt_tokens: Mapped[int] = mapped_column(Integer)
-    messages: Mapped[Any] = mapped_column(JSONB)
+    # json, not jsonb: kept as written (for export), cheaper to insert, and able to hold
+    # a NUL character; nothing queries inside it.
+    messages: Mapped[Any] = mapped_column(JSON)
     state: Mapped[str] = mapped_column(String(16), server_default=JobState.QUEUED.value)
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     # Budget this job holds while running (its worst case), 0 otherwise.

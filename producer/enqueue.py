@@ -92,7 +92,7 @@ class DrySink:
 
     def write(self, prepared: Prepared) -> int:
         before = len(self.seen)
-        self.seen.update(int(sha[:16], 16) for sha in prepared.jobs.prompt_sha256)
+        self.seen.update(int.from_bytes(sha[:8]) for sha in prepared.jobs.prompt_sha256)
         return len(self.seen) - before
 
 

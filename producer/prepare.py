@@ -6,7 +6,6 @@ Kept apart from `producer.enqueue` so worker processes import only what they run
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 import orjson
@@ -93,7 +92,7 @@ def build_jobs(
     """The jobs of tokenized prompts; too long ones are rejected, repeats kept once."""
     rejections = list(rendered.rejections)
     jobs = JobBatch()
-    seen: set[str] = set()
+    seen: set[bytes] = set()
     for (raw, prompt, _), input_ids in zip(rendered.rows, encoded, strict=True):
         too_long = _too_long(len(input_ids), max_context_len, max_new_tokens)
         if too_long is not None:
@@ -114,22 +113,12 @@ def build_jobs(
     return Prepared(jobs, rejections)
 
 
-# JSON spells a NUL character \u0000 after any number of escaped backslashes ("\\" pairs);
-# Postgres's jsonb refuses it, and one such row would fail its whole batch's insert.
-_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
-_NUL = RowError(
-    "unsupported_content", "a NUL character (U+0000) in the prompt, which Postgres cannot store"
-)
 _SURROGATE = RowError(
     "unsupported_content", "a lone surrogate (U+D800-U+DFFF) in the prompt: not valid Unicode"
 )
 _NAN = RowError(
     "unsupported_content", "a NaN or infinite number in the messages or tools, which JSON lacks"
 )
-
-
-def _holds_nul(messages_json: str) -> bool:
-    return "\\u0000" in messages_json and _NUL_ESCAPE.search(messages_json) is not None
 
 
 def _too_long(prompt_tokens: int, max_context_len: int | None, max_new: int) -> RowError | None:
@@ -145,8 +134,8 @@ def _too_long(prompt_tokens: int, max_context_len: int | None, max_new: int) -> 
 def _messages_json(prompt: Prompt) -> str:
     """What the job stores of its prompt: the messages and tools the template received.
 
-    Raises RowError for what Postgres's jsonb cannot hold (NUL, NaN, a lone surrogate): one
-    such row would fail its whole batch's insert.
+    Raises RowError for what JSON cannot hold (NaN, infinities, a lone surrogate): one such
+    row would fail its whole batch's insert.
     """
     document = {"messages": prompt.messages, "tools": prompt.tools}
     try:
@@ -164,8 +153,6 @@ def _messages_json(prompt: Prompt) -> str:
             raise _NAN from None
         if not _is_unicode(text):
             raise _SURROGATE
-    if _holds_nul(text):
-        raise _NUL
     return text
 
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 
+from models.db import alembic_config, make_engine
+from models.records import NewJob
+from models.repository import Repository
 from models.schema import Base
 
 
@@ -15,3 +21,46 @@ def test_migrated_database_matches_models(database_url: str) -> None:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     engine.dispose()
     assert diff == []
+
+
+def test_jobs_stored_before_0004_keep_their_identity(database_url: str) -> None:
+    # 0004 turned the hex prompt_sha256 into its 32 bytes and jsonb messages into json.
+    command.downgrade(alembic_config(database_url), "0003")
+    job = NewJob(0, [5, 6, 7], {"messages": [{"role": "user", "content": "hi"}], "tools": None})
+    engine = make_engine(database_url)
+    with engine.begin() as conn:
+        run = conn.execute(
+            text(
+                "INSERT INTO runs (name, tokenizer_path, tokenizer_sha256, chat_template_sha256,"
+                " model_name) VALUES ('r', 't', 'a', 'b', 'm') RETURNING id"
+            )
+        ).scalar_one()
+        dataset = conn.execute(
+            text(
+                "INSERT INTO datasets (run_id, name, source, sampling_params)"
+                " VALUES (:run, 'd', 's', '{}') RETURNING id"
+            ),
+            {"run": run},
+        ).scalar_one()
+        conn.execute(
+            text(
+                "INSERT INTO jobs (dataset_id, row_index, prompt_sha256, input_ids,"
+                " prompt_tokens, messages) VALUES (:d, 0, :sha, :ids, 3, :m)"
+            ),
+            {
+                "d": dataset,
+                "sha": job.prompt_sha256.hex(),
+                "ids": job.packed,
+                "m": json.dumps(job.messages),
+            },
+        )
+    command.upgrade(alembic_config(database_url), "head")
+    repo = Repository(engine)
+    [job_id] = repo.job_ids()
+    stored = repo.job(job_id)
+    assert stored is not None and stored["messages"] == job.messages
+    assert stored["prompt_sha256"] == job.prompt_sha256
+    # The same prompt enqueued again is the same job, by either insert path.
+    assert repo.insert_jobs(dataset, [job]) == []
+    assert repo.insert_jobs(dataset, [job], expect_new=True) == []
+    engine.dispose()

@@ -72,8 +72,8 @@ def test_bad_rows_are_recorded_and_the_run_goes_on(
         good[1],
         good[1],
         good[2],
-        {"prompt": "a NUL \u0000 inside"},  # jsonb cannot hold it: it failed the whole batch
-        {"prompt": "a backslash and u0000: \\u0000"},  # only looks like one
+        {"prompt": "a NUL \u0000 inside"},  # once refused: the messages were jsonb, which cannot
+        {"prompt": "a backslash and u0000: \\u0000"},  # hold one; they are json now
         "binary \x00 garbage",  # its excerpt once failed the insert of the rejections
         # These two failed the whole batch (tokenizer; jsonb), and so the run:
         {"prompt": "a lone surrogate \ud800 here"},
@@ -81,27 +81,26 @@ def test_bad_rows_are_recorded_and_the_run_goes_on(
         {"prompt": "hello", "tools": [tool_with_default(None)]},  # a null is fine
     ]
     summary = enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", rows))
-    assert summary.accepted == 5
+    assert summary.accepted == 6
     assert summary.duplicates == 1
-    assert summary.rejected == 7
+    assert summary.rejected == 6
     assert dict(summary.rejected_by_reason) == {
         "invalid_json": 2,
         "not_an_object": 1,
         "empty_prompt": 1,
-        "unsupported_content": 3,
+        "unsupported_content": 2,
     }
     assert repo.rejected_rows() == [
         (1, "invalid_json"),
         (2, "not_an_object"),
         (3, "empty_prompt"),
-        (7, "unsupported_content"),
         (9, "invalid_json"),
         (10, "unsupported_content"),
         (11, "unsupported_content"),
     ]
-    stored = [repo.job(i) for i in repo.job_ids()]
-    with_null = [job for job in stored if job is not None and job["row_index"] == 12]
-    assert with_null[0]["messages"]["tools"] == [tool_with_default(None)]
+    stored = {job["row_index"]: job for job in map(repo.job, repo.job_ids()) if job}
+    assert stored[12]["messages"]["tools"] == [tool_with_default(None)]
+    assert stored[7]["messages"]["messages"] == [{"role": "user", "content": "a NUL \u0000 inside"}]
 
 
 def tool_with_default(value: Any) -> dict[str, Any]:
