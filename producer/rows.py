@@ -69,15 +69,23 @@ class RawRow:
         return self if self.line is None else decode_line(self.index, self.line)
 
 
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_NINETEEN_DIGITS = b"0" * 19
+
+
 def decode_line(index: int, line: bytes) -> RawRow:
     """A JSON Lines row parsed, or an ``invalid_json`` row carrying the line as its excerpt."""
-    try:
-        return RawRow(index, orjson.loads(line))
-    except orjson.JSONDecodeError:
-        pass  # orjson is half the CPU of json; what it refuses, json decides (below)
+    # orjson is half the CPU of json, but reads an integer beyond 64 bits as a float (json
+    # keeps it exact): a line with a run of 19 digits is left to json. (Found by mapping
+    # digits to "0": a fifth of the CPU of the regular expression \d{19}.)
+    if _NINETEEN_DIGITS not in line.translate(_DIGITS_AS_ZERO):
+        try:
+            return RawRow(index, orjson.loads(line))
+        except orjson.JSONDecodeError:
+            pass  # json decides (below)
     try:
         # json accepts a few lines orjson refuses (NaN, a lone surrogate escape, a byte-order
-        # mark, integers beyond 64 bits), and its errors say where the line is broken.
+        # mark), and its errors say where a line is broken.
         return RawRow(index, json.loads(line))
     except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError for non-UTF-8 bytes
         why = f"{exc.msg} (column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else exc

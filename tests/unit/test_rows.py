@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from producer.readers import iter_rows
-from producer.rows import RowError, to_prompt
+from producer.rows import RowError, decode_line, to_prompt
 
 WEATHER_CALL = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "X"}'}}
 WEATHER_TOOL = {
@@ -388,3 +388,21 @@ def test_jsonl_rows_keep_their_line_positions(tmp_path: Path) -> None:
     assert rows[1].error is not None and rows[1].error.reason == "invalid_json"
     assert "line 3" in rows[1].error.detail
     assert rows[2].value == [1]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"prompt": "hi", "x": NaN}',  # json accepts NaN, orjson does not
+        b'{"prompt": "a \\ud800 lone surrogate"}',
+        b'\xef\xbb\xbf{"prompt": "after a byte-order mark"}',
+        b'{"prompt": "big", "n": 123456789012345678901234567890}',
+        b'{"prompt": "plain", "f": 1.5e300, "k": [1, "two", null, true]}',
+        b'{"prompt": "duplicate keys", "prompt": "the last wins"}',
+    ],
+)
+def test_lines_decode_as_json_decodes_them(line: bytes) -> None:
+    # orjson decodes first; what it refuses, json decides: the value is json's either way.
+    row = decode_line(0, line)
+    assert row.error is None
+    assert repr(row.value) == repr(json.loads(line))
