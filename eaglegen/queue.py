@@ -9,6 +9,7 @@ import base64
 import itertools
 import json
 import os
+import re
 import socket
 import uuid
 from collections.abc import Iterable, Sequence
@@ -85,6 +86,7 @@ _SLOTS = {
     "body": "\x01body\x01",
     "tag": "\x01tag\x01",
 }
+_SLOT_ORDER = list(_SLOTS)
 
 
 def _envelope(queue: str, origin: str) -> dict[str, Any]:
@@ -129,29 +131,38 @@ class EnvelopeFactory:
     """Renders the envelope for one job id from a template serialized once."""
 
     def __init__(self, queue: str, origin: str) -> None:
-        template = json.dumps(_envelope(queue, origin)).replace("%", "%%")
-        for name, slot in _SLOTS.items():
-            template = template.replace(json.dumps(slot), f'"%({name})s"')
-        self._template = template
+        template = json.dumps(_envelope(queue, origin))
+        # The template cut at its slots: each envelope is a join of these pieces and the
+        # slot values (formatting the whole template per message cost twice as much).
+        names = {json.dumps(slot)[1:-1]: name for name, slot in _SLOTS.items()}
+        pieces = re.split("(" + "|".join(map(re.escape, names)) + ")", template)
+        self._literals = pieces[0::2]
+        self._slots = [_SLOT_ORDER.index(names[slot]) for slot in pieces[1::2]]
         # Task ids and delivery tags must be unique per message (kombu keys its unacked
-        # messages by the tag): a random prefix per factory and a counter make them so, in
-        # UUID shape, without the two uuid4() calls a message that cost a third of its time.
-        self._prefix = str(uuid.uuid4())[:24]
+        # messages by the tag): a random prefix per factory for each and a counter make
+        # them so, in UUID shape, without the two uuid4() calls a message that cost a third
+        # of its time.
+        self._id_prefix = str(uuid.uuid4())[:24]
+        self._tag_prefix = str(uuid.uuid4())[:24]
         self._serial = itertools.count()
 
     def __call__(self, job_id: int) -> str:
         """The JSON string kombu's Redis transport would LPUSH for ``generate(job_id)``."""
         job_id = int(job_id)  # never anything but digits inside the template
+        serial = f"{next(self._serial):012x}"
         body = b'[[], {"job_id": %d}, ' % job_id + _EMBED_JSON + b"]"
-        return self._template % {
-            "id": self._unique_id(),
-            "kwargsrepr": f"{{'job_id': {job_id}}}",
-            "body": base64.b64encode(body).decode(),
-            "tag": self._unique_id(),
-        }
-
-    def _unique_id(self) -> str:
-        return f"{self._prefix}{next(self._serial):012x}"
+        values = (  # in _SLOT_ORDER
+            self._id_prefix + serial,
+            f"{{'job_id': {job_id}}}",
+            base64.b64encode(body).decode(),
+            self._tag_prefix + serial,
+        )
+        literals = self._literals
+        out = [literals[0]]
+        for i, slot in enumerate(self._slots, 1):
+            out.append(values[slot])
+            out.append(literals[i])
+        return "".join(out)
 
 
 _EMBED_JSON = json.dumps(_EMBED).encode()
@@ -167,10 +178,42 @@ class BulkPublisher:
 
     def publish(self, job_ids: Sequence[int]) -> int:
         """Publish one message per id, in order (workers pop the oldest first)."""
-        if job_ids:
-            self._client.lpush(self.queue, *map(self._envelope, job_ids))
+        if not job_ids:
+            return 0
+        command = lpush_command(self.queue, [self._envelope(i).encode() for i in job_ids])
+        pool = self._client.connection_pool
+        connection: Any = pool.get_connection()  # redis-py leaves these methods untyped
+
+        def send() -> None:
+            connection.send_packed_command([command])  # a list: bytes would be iterated
+            connection.read_response()
+
+        try:
+            # Retried as redis-py retries its own commands; a push repeated after a lost
+            # reply only duplicates messages, which are hints (DESIGN §2).
+            connection.retry.call_with_retry(send, lambda _error: connection.disconnect())
+        except BaseException:
+            connection.disconnect()  # part of the command may be on the wire: start afresh
+            raise
+        finally:
+            pool.release(connection)
         return len(job_ids)
 
     def close(self) -> None:
         """Release the connection."""
         self._client.close()
+
+
+def lpush_command(key: str, values: Sequence[bytes]) -> bytes:
+    """``LPUSH key values...`` in the Redis protocol (RESP).
+
+    redis-py builds it argument by argument in Python: for a batch of envelopes that took
+    four times the CPU of this join (measured: 2.8 vs 0.5 us a message).
+    """
+    name = key.encode()
+    parts = [b"*%d\r\n$5\r\nLPUSH\r\n$%d\r\n%s\r\n" % (len(values) + 2, len(name), name)]
+    for value in values:
+        parts.append(b"$%d\r\n" % len(value))
+        parts.append(value)
+        parts.append(b"\r\n")
+    return b"".join(parts)
