@@ -61,16 +61,16 @@ class Templater:
             raise ValueError(f"{tokenizer_path}: the tokenizer has no chat template")
         self.template_kwargs = dict(template_kwargs or {})
         _flatten_template_globals(self.tokenizer.chat_template)
-        self._render_jinja = _render_function()
-        if self._render_jinja is not None and not self._direct_render_agrees():
-            self._render_jinja = None
+        self._direct = _DirectRenderer.of(self.tokenizer, self.template_kwargs)
+        if self._direct is not None and not self._direct_render_agrees():
+            self._direct = None
         # Slow (pure-Python or remote-code) tokenizers have no Rust backend.
         self._backend: Any = getattr(self.tokenizer, "backend_tokenizer", None)
 
     @property
     def renders_directly(self) -> bool:
-        """Whether prompts without tools skip apply_chat_template (see `_render_plain`)."""
-        return self._render_jinja is not None
+        """Whether prompts without tools skip apply_chat_template (see `_DirectRenderer`)."""
+        return self._direct is not None
 
     @property
     def is_fast(self) -> bool:
@@ -107,30 +107,17 @@ class Templater:
         return out
 
     def _render_plain(self, conversations: list[list[dict[str, Any]]]) -> list[str]:
-        """Render conversations without tools as apply_chat_template(tokenize=False) does.
-
-        apply_chat_template drops None-valued message keys, then calls transformers'
-        render_jinja_template; `producer.rows` already dropped them (the step was a fifth of
-        rendering a short prompt), so where that function exists it is called directly,
-        with the arguments apply_chat_template gives it. `_direct_render_agrees` checked at
-        load time that both render the same.
-        """
-        if self._render_jinja is None:
-            texts = self.tokenizer.apply_chat_template(
-                conversations, add_generation_prompt=True, tokenize=False, **self.template_kwargs
-            )
-            return [str(text) for text in texts]
-        rendered, _ = self._render_jinja(
-            conversations=conversations,
-            chat_template=self.tokenizer.get_chat_template(None, None),
-            add_generation_prompt=True,
-            **{**self.tokenizer.special_tokens_map, **self.template_kwargs},
+        """Render conversations without tools as apply_chat_template(tokenize=False) does."""
+        if self._direct is not None:
+            return self._direct(conversations)
+        texts = self.tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, tokenize=False, **self.template_kwargs
         )
-        return [str(text) for text in rendered]
+        return [str(text) for text in texts]
 
     def _direct_render_agrees(self) -> bool:
-        """Whether calling render_jinja_template directly renders as apply_chat_template."""
-        probes = [
+        """Whether `_DirectRenderer` renders these probes as apply_chat_template does."""
+        probes: list[list[dict[str, Any]]] = [
             [{"role": "user", "content": "hi"}],
             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
             [
@@ -138,18 +125,32 @@ class Templater:
                 {"role": "assistant", "content": "hello", "reasoning_content": "greet"},
                 {"role": "user", "content": "bye"},
             ],
+            [
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "type": "function",
+                            "function": {"name": "weather", "arguments": {"city": "Paris"}},
+                        }
+                    ],
+                },
+                {"role": "tool", "content": "sunny"},
+            ],
         ]
         try:
             direct = self._render_plain(probes)
         except Exception:  # e.g. a template that needs what only apply_chat_template passes
             return False
-        saved, self._render_jinja = self._render_jinja, None
+        saved, self._direct = self._direct, None
         try:
             return direct == self._render_plain(probes)
         except Exception:
             return False
         finally:
-            self._render_jinja = saved
+            self._direct = saved
 
     def _render_or_error(self, prompt: Prompt) -> str | RowError:
         try:
@@ -212,13 +213,69 @@ class Templater:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _render_function() -> Any:
-    """transformers' render_jinja_template, where this version has it (4.49 and later)."""
-    try:
-        from transformers.utils.chat_template_utils import render_jinja_template
-    except ImportError:
-        return None
-    return render_jinja_template
+class _DirectRenderer:
+    """Renders conversations without tools as apply_chat_template(tokenize=False), cheaper.
+
+    What apply_chat_template does to such a conversation (transformers 4.49 and later):
+    drop None-valued message keys, copy it into plain JSON types, copy reasoning fields
+    under their other names, then render the compiled template with these arguments. Rows
+    from `producer.rows` are plain JSON without None values, so for a conversation without
+    reasoning fields the first three steps change nothing, and this renders the compiled
+    template directly: 14 instead of 25 us for a short prompt. One with reasoning fields
+    goes through transformers' render_jinja_template. The Templater checks at load time
+    that this renders as apply_chat_template does, and uses that where it does not.
+    """
+
+    def __init__(self, template: str, compiled: Any, render_jinja: Any, kwargs: Any) -> None:
+        self._template = template
+        self._compiled = compiled
+        self._render_jinja = render_jinja
+        self._kwargs = kwargs
+
+    @classmethod
+    def of(cls, tokenizer: Any, template_kwargs: dict[str, Any]) -> _DirectRenderer | None:
+        """The renderer of this tokenizer's template, if this transformers has the parts."""
+        try:
+            from transformers.utils.chat_template_utils import (
+                _compile_jinja_template,
+                _plain_template_data,
+                render_jinja_template,
+            )
+        except ImportError:
+            return None
+        template = tokenizer.get_chat_template(None, None)
+        try:
+            compiled = _compile_jinja_template(template)
+        except Exception:  # a broken template: apply_chat_template says why, row by row
+            return None
+        kwargs = _plain_template_data({**tokenizer.special_tokens_map, **template_kwargs})
+        return cls(template, compiled, render_jinja_template, kwargs)
+
+    def __call__(self, conversations: list[list[dict[str, Any]]]) -> list[str]:
+        return [self._render(messages) for messages in conversations]
+
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        if any(field in message for message in messages for field in _REASONING_FIELDS):
+            rendered, _ = self._render_jinja(
+                conversations=[messages],
+                chat_template=self._template,
+                add_generation_prompt=True,
+                **self._kwargs,
+            )
+            return str(rendered[0])
+        return str(
+            self._compiled.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=True,
+                **self._kwargs,
+            )
+        )
+
+
+# The message fields transformers copies under each other's names before rendering.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _flatten_template_globals(chat_template: str | dict[str, str]) -> None:

@@ -49,11 +49,32 @@ def reference(prompts: list[dict[str, Any]], kwargs: dict[str, Any], tmp_path: P
     return json.loads(result.stdout)
 
 
+def with_reasoning_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Multi-turn rows whose earlier assistant turns carry their reasoning, under each of
+    the names transformers copies into the others."""
+    out = []
+    names = ["reasoning_content", "thinking", "reasoning"]
+    for row in rows:
+        turns = row.get("messages") or []
+        roles = [turn.get("role") for turn in turns]
+        if "assistant" not in roles[:-1] or roles[-1] == "assistant":
+            continue  # no assistant turn that stays in the prompt
+        name = names[len(out) % 3]
+        history = [
+            {**turn, name: f"I think ({i})"} if turn.get("role") == "assistant" else turn
+            for i, turn in enumerate(turns)
+        ]
+        out.append({**row, "messages": history})
+    assert len(out) >= 3
+    return out[:9]
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"thinking": False}])
 def test_render_and_encode_equal_a_fresh_transformers(
     kwargs: dict[str, Any], tmp_path: Path
 ) -> None:
-    prompts = [to_prompt(row) for row in sample_rows(300)]
+    rows = sample_rows(300)
+    prompts = [to_prompt(row) for row in rows + with_reasoning_history(rows)]
     assert any(p.tools for p in prompts) and any(len(p.messages) > 3 for p in prompts)
     templater = Templater(TOKENIZER_DIR, template_kwargs=kwargs)
     assert templater.renders_directly  # the fast path is what must equal transformers here
@@ -69,10 +90,10 @@ def test_render_and_encode_equal_a_fresh_transformers(
 def test_a_direct_render_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     from producer import template
 
-    def render_otherwise(**kwargs: Any) -> tuple[list[str], list[Any]]:
-        return [f"not the template {i}" for i in range(len(kwargs["conversations"]))], []
+    def render_otherwise(self: Any, messages: list[dict[str, Any]]) -> str:
+        return f"not the template {len(messages)}"
 
-    monkeypatch.setattr(template, "_render_function", lambda: render_otherwise)
+    monkeypatch.setattr(template._DirectRenderer, "_render", render_otherwise)
     templater = Templater(TOKENIZER_DIR)
     assert not templater.renders_directly
     prompts = [to_prompt(row) for row in sample_rows(20)]
