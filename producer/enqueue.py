@@ -164,7 +164,8 @@ def enqueue_run(
     sinks = _sinks(plan, templater, params, repo, publisher)
     report = RunReport(plan.run, dry_run=repo is None, datasets=[])
     report.warnings.extend(_budget_warnings(plan, sinks))
-    preparer = preparer or make_preparer(plan, templater, None)
+    if preparer is None:
+        preparer = make_preparer(plan, templater, None)
     with _frozen_heap(), preparer:
         for dataset in plan.datasets:
             stats = DatasetStats(

@@ -5,9 +5,9 @@ threads cannot spread it over cores; worker processes can. Workers fork from thi
 while it has no other thread yet (Linux): they start in milliseconds and use this process's
 own Templater. Otherwise they come from a fork server and each builds its Templater from the
 same tokenizer files and template kwargs. All run the same `prepare`, so jobs and rejections
-are the same wherever a batch went. Results come
-back as futures that the caller turns into batches with `Preparer.result`, in submission
-order (a worker's batch waits in a spool file: see `Preparer._start_pool`).
+are the same wherever a batch went. Results come back as futures that the caller turns into
+batches with `Preparer.result`, in submission order (a worker's batch waits in a spool file:
+see `Preparer._start_pool`).
 """
 
 from __future__ import annotations
