@@ -166,3 +166,29 @@ def test_run_and_dataset_identity_is_enforced(repo: Repository) -> None:
     repo.ensure_dataset(run_id, DatasetSpec("d", "x", {"max_new_tokens": 8}))
     with pytest.raises(DatasetMismatchError, match="new run"):
         repo.ensure_dataset(run_id, DatasetSpec("d", "x", {"max_new_tokens": 9}))
+
+
+def test_concurrent_inserts_of_overlapping_jobs_store_each_prompt_once(repo: Repository) -> None:
+    # Two enqueues of the same dataset at once, both expecting new jobs: one COPY waits on
+    # the other's rows in the unique index, fails once it commits, and takes the staging path.
+    dataset_id, _ = make_dataset(repo, 0)
+    batches = [
+        [NewJob(i, [3, i], {"messages": []}) for i in range(0, 600)],
+        [NewJob(i, [3, i], {"messages": []}) for i in range(300, 900)],
+    ]
+    start = threading.Barrier(len(batches))
+    results: list[list[int]] = [[] for _ in batches]
+
+    def insert(k: int) -> None:
+        start.wait()
+        for i in range(0, len(batches[k]), 100):
+            results[k] += repo.insert_jobs(dataset_id, batches[k][i : i + 100], expect_new=True)
+
+    threads = [threading.Thread(target=insert, args=(k,)) for k in range(len(batches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stored = repo.job_ids()
+    assert sorted(results[0] + results[1]) == sorted(stored)  # every new id reported once
+    assert sorted(repo.job(i)["row_index"] for i in stored) == list(range(900))  # type: ignore[index]
