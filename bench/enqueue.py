@@ -37,6 +37,7 @@ import psycopg
 import redis
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
+from bench.procs import descendants
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.queue import BulkPublisher
 from eaglegen.settings import Settings
@@ -163,12 +164,12 @@ def _watch(process: subprocess.Popen[bytes]) -> _Peak:
     """Sample a process tree's memory until the process ends (Linux /proc).
 
     The main process's RSS high-water mark comes from the kernel (VmHWM); the tree's total is
-    the largest sum of PSS seen at one instant: PSS splits pages shared between processes (a
-    fork server's imports), so they count once.
+    the largest sum of PSS seen at one instant: PSS splits pages shared between processes (the
+    workers share the pages of the process they forked from), so they count once.
     """
     peak = _Peak()
     while process.poll() is None:
-        tree = [process.pid, *_descendants(process.pid)]
+        tree = [process.pid, *descendants(process.pid)]
         peak.helpers = max(peak.helpers, len(tree) - 1)
         peak.all_pss_mb = max(
             peak.all_pss_mb, sum(_proc_mb(pid, "smaps_rollup", "Pss") for pid in tree)
@@ -188,23 +189,6 @@ def _proc_mb(pid: int, file: str, field: str) -> float:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def stages(prompts: int, admin_url: str, broker: str) -> None:

@@ -68,32 +68,6 @@ def wait_settled(repo: Repository, timeout_s: float = 120.0) -> dict[str, int]:
         time.sleep(0.1)
 
 
-def live_children() -> dict[int, list[int]]:
-    """Every live (not zombie) process's children, by parent pid (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    return children
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root``."""
-    children = live_children()
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def reference_ids(tokenizer: Any, row: dict[str, Any], **template_kwargs: Any) -> list[int]:
     """What transformers' apply_chat_template gives for the row: the ground truth."""
     prompt = to_prompt(row)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.procs import live_children
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.queue import BulkPublisher
 from eaglegen.settings import Settings
 from models.repository import Repository
 from tests.faults.harness import state_counts, wait_for, worker_env
-from tests.helpers import live_children
 from worker.reconcile import job_ids_in_queue, reconcile
 
 pytestmark = pytest.mark.faults

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from bench.procs import descendants
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.settings import Settings
 from models.repository import Repository
@@ -23,7 +24,7 @@ from producer.plan import DatasetPlan, RunPlan
 from producer.prepare import Prepared, prepare
 from producer.readers import iter_rows
 from producer.template import Templater
-from tests.helpers import descendants, sample_rows, write_jsonl
+from tests.helpers import sample_rows, write_jsonl
 
 BAD_ROWS: list[Any] = [
     "{broken json",
