@@ -66,7 +66,7 @@ def _enqueue_or_explain(settings: Any, plan: Any, dry_run: bool, workers: int | 
     except (OperationalError, redis_lib.ConnectionError) as exc:
         service = "Postgres" if isinstance(exc, OperationalError) else "Redis"
         url = settings.database_url if service == "Postgres" else settings.broker_url
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0].rstrip(".")
         raise ValueError(
             f"lost {service} at {redact(url)} mid-run: {reason}. What was stored stays; run "
             "the same enqueue again to add the rest, then `eaglegen reconcile` to publish "

@@ -16,6 +16,7 @@ from bench.procs import live_children
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.queue import BulkPublisher
 from eaglegen.settings import Settings
+from eaglegen.stack import EmbeddedRedis
 from models.repository import Repository
 from tests.faults.harness import state_counts, wait_for, worker_env
 from worker.reconcile import job_ids_in_queue, reconcile
@@ -126,3 +127,35 @@ def test_a_template_worker_killed_mid_run_is_a_clear_error(
     assert enqueue.returncode == 2
     assert stderr.strip().startswith("error: a template worker process died"), stderr
     assert "Traceback" not in stderr
+
+
+def test_redis_lost_mid_run_is_a_clear_error(
+    fast_settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    # The producer packs and sends its LPUSH itself: a lost server must still end the
+    # enqueue with one sentence saying how to finish, and keep what was stored.
+    broker = EmbeddedRedis(tmp_path)
+    env = {**worker_env(fast_settings), "EAGLEGEN_BROKER_URL": broker.start()}
+    path = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
+    command = [
+        *(sys.executable, "-m", "eaglegen", "enqueue"),
+        *("--run", "r", "--dataset", "d", "--tokenizer", str(TOKENIZER_DIR), str(path)),
+    ]
+    try:
+        with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as enqueue:
+            wait_for(
+                lambda: state_counts(repo)["queued"] >= KILL_AFTER_JOBS,
+                120,
+                f"{KILL_AFTER_JOBS} jobs stored",
+                lambda: f"enqueue exit code: {enqueue.poll()}",
+            )
+            broker.stop()
+            _, stderr = enqueue.communicate(timeout=120)
+    finally:
+        broker.stop()
+    assert enqueue.returncode == 2
+    expected = f"error: lost Redis at {broker.url} mid-run: "
+    assert stderr.strip().startswith(expected), stderr
+    assert "Traceback" not in stderr and ".." not in stderr
+    assert "run the same enqueue again" in stderr
+    assert state_counts(repo)["queued"] >= KILL_AFTER_JOBS  # what was stored stays
