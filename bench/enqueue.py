@@ -38,9 +38,9 @@ import redis
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
 from bench.procs import descendants
+from core.broker import Publisher
+from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
-from eaglegen.queue import BulkPublisher
-from eaglegen.settings import Settings
 from models.db import make_engine
 from models.records import DatasetSpec, JobBatch, RunSpec
 from models.repository import Repository
@@ -75,7 +75,7 @@ def enqueue_seconds(
         datasets=[DatasetPlan("d", path, sampling={"max_new_tokens": 1024})],
     )
     start = time.perf_counter()
-    report = run_enqueue(settings, plan, quiet=True, workers=workers)
+    report = run_enqueue(settings, settings.services(), plan, quiet=True, workers=workers)
     elapsed = time.perf_counter() - start
     assert report.datasets[0].accepted > 0
     return elapsed
@@ -238,7 +238,7 @@ def stage_costs(path: Path, templater: Templater, database: str, broker: str) ->
             lambda: [repo.insert_jobs(dataset_id, b, expect_new=True) for b in jobs],
         )
         clock.costs["insert (Postgres server)"] = servers.postgres()
-        publisher = BulkPublisher(broker, "bench-stages")
+        publisher = Publisher(broker, "bench-stages")
         clock.run("publish (envelopes, LPUSH)", lambda: [publisher.publish(ids) for ids in new])
         clock.costs["publish (Redis server)"] = servers.redis()
     publisher.close()

@@ -38,14 +38,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import text
+from sqlalchemy import select, text
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
+from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
-from eaglegen.settings import Settings
 from eaglegen.sim.metrics import parse
 from models.db import make_engine
 from models.repository import Repository
+from models.schema import Dataset, Job
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan
 from worker.commands import alive_workers
@@ -226,17 +227,17 @@ def enqueue(settings: Settings, path: Path, run: str, max_new_tokens: int) -> No
         tokenizer=TOKENIZER_DIR,
         datasets=[DatasetPlan("d", path, sampling={"max_new_tokens": max_new_tokens})],
     )
-    run_enqueue(settings, plan, quiet=True)
+    run_enqueue(settings, settings.services(), plan, quiet=True)
 
 
 def take_prompts(repo: Repository) -> tuple[list[list[int]], dict[str, Any]]:
     """The input_ids of every job (of the one run enqueued so far) and their sampling params,
     then that run deleted, so that no reconciler ever publishes it to the worker."""
-    rows = [row for job_id in repo.job_ids() if (row := repo.job(job_id)) is not None]
-    params = repo.sampling_params(rows[0]["dataset_id"])
     with repo.engine.begin() as conn:
+        prompts = list(conn.scalars(select(Job.input_ids).order_by(Job.id)))
+        params = conn.scalar(select(Dataset.sampling_params).limit(1))
         conn.execute(text("DELETE FROM runs"))
-    return [row["input_ids"] for row in rows], params
+    return prompts, dict(params or {})
 
 
 def pipeline_round(

@@ -13,9 +13,10 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from core.settings import Services, Settings
+from core.urls import redact
 from eaglegen.assets import SAMPLE_DATASET, TOKENIZER_DIR
 from eaglegen.report.status import totals
-from eaglegen.settings import Settings, redact
 from eaglegen.sim import SimConfig, SimServer
 from eaglegen.stack import Child, EmbeddedPostgres, EmbeddedRedis, flower_argv, free_port, spawn
 from models.db import make_engine, upgrade
@@ -34,26 +35,25 @@ class DemoOptions:
 
 
 @contextlib.contextmanager
-def services(settings: Settings) -> Iterator[Settings]:
+def embedded_services(settings: Settings) -> Iterator[Services]:
     """The user's services when configured, embedded ones (stopped afterwards) otherwise."""
     with contextlib.ExitStack() as stack:
-        updates: dict[str, Any] = {}
-        if settings.database_url is None:
+        database_url, broker_url = settings.database_url, settings.broker_url
+        if database_url is None:
             postgres = EmbeddedPostgres(settings.data_dir)
-            updates["database_url"] = postgres.start()
+            database_url = postgres.start()
             stack.callback(postgres.stop)
-        if settings.broker_url is None:
+        if broker_url is None:
             redis_server = EmbeddedRedis(settings.data_dir)
-            updates["broker_url"] = redis_server.start()
+            broker_url = redis_server.start()
             stack.callback(redis_server.stop)
-        yield settings.model_copy(update=updates)
+        yield Services(database_url, broker_url)
 
 
-def _children(settings: Settings, sim_url: str, concurrency: int) -> list[Child]:
-    assert settings.database_url and settings.broker_url
+def _children(settings: Settings, live: Services, sim_url: str, concurrency: int) -> list[Child]:
     env = {
-        "EAGLEGEN_DATABASE_URL": settings.database_url,
-        "EAGLEGEN_BROKER_URL": settings.broker_url,
+        "EAGLEGEN_DATABASE_URL": live.database_url,
+        "EAGLEGEN_BROKER_URL": live.broker_url,
         "EAGLEGEN_DATA_DIR": str(settings.data_dir),
     }
     logs = settings.data_dir / "logs"
@@ -75,7 +75,7 @@ def _children(settings: Settings, sim_url: str, concurrency: int) -> list[Child]
     flower = spawn(
         "flower",
         flower_argv("127.0.0.1", free_port()),
-        {"CELERY_BROKER_URL": settings.broker_url},
+        {"CELERY_BROKER_URL": live.broker_url},
         logs / "flower.log",
     )
     return [worker, flower]
@@ -85,10 +85,9 @@ def run_demo(settings: Settings, options: DemoOptions) -> dict[str, Any]:
     """Run the demo end to end and return its summary document."""
     console = Console(stderr=True)
     run = "demo-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")
-    with services(settings) as live, SimServer(SimConfig(seed=0)) as sim:
-        assert live.database_url is not None
+    with embedded_services(settings) as live, SimServer(SimConfig(seed=0)) as sim:
         upgrade(live.database_url)
-        children = _children(live, sim.url, options.concurrency)
+        children = _children(settings, live, sim.url, options.concurrency)
         engine = make_engine(live.database_url, pool_size=1)
         try:
             started = time.monotonic()
@@ -101,7 +100,7 @@ def run_demo(settings: Settings, options: DemoOptions) -> dict[str, Any]:
                     )
                 ],
             )
-            run_enqueue(live, plan, quiet=True)
+            run_enqueue(settings, live, plan, quiet=True)
             jobs = _wait(Repository(engine), run, options.timeout_s, console, children[0])
             elapsed = time.monotonic() - started
             counts = Repository(engine).counts(run)
@@ -109,7 +108,7 @@ def run_demo(settings: Settings, options: DemoOptions) -> dict[str, Any]:
             for child in children:
                 child.stop()
             engine.dispose()
-    return _summary(live, run, counts, jobs, elapsed)
+    return _summary(settings, live, run, counts, jobs, elapsed)
 
 
 def _wait(
@@ -134,12 +133,17 @@ def _wait(
 
 
 def _summary(
-    settings: Settings, run: str, counts: Any, jobs: dict[str, int], elapsed: float
+    settings: Settings,
+    live: Services,
+    run: str,
+    counts: Any,
+    jobs: dict[str, int],
+    elapsed: float,
 ) -> dict[str, Any]:
     prompt = sum(c.prompt_tokens for c in counts)
     completion = sum(c.completion_tokens for c in counts)
     rate = completion / elapsed if elapsed > 0 else 0.0
-    database = redact(settings.database_url or "")
+    database = redact(live.database_url)
     line = (
         f"demo: {jobs['done']}/{jobs['total']} jobs done, {jobs['failed']} failed; "
         f"{prompt:,} prompt + {completion:,} completion tokens in {elapsed:.1f} s "

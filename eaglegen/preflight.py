@@ -12,7 +12,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from eaglegen.settings import normalize_database_url, redact
+from core.urls import normalize_database_url, redact
 from models.db import alembic_config
 
 CONNECT_TIMEOUT_S = 5

@@ -8,7 +8,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine
 
-from eaglegen.settings import normalize_database_url
+from core.urls import normalize_database_url
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Connection, Engine, and_, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from models.budget import BudgetBasis, settled, worst_case
+from models.ledger import BudgetBasis, settled, worst_case
 from models.records import Claim, ClaimedJob, GenerationRecord
 from models.schema import Dataset, Generation, Job, Run
 from models.states import JobState

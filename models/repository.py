@@ -257,54 +257,6 @@ class Repository(JobQueries, BudgetQueries, AuditQueries):
             }
         return _assemble_counts(state_rows, completion_rows)
 
-    def job(self, job_id: int) -> dict[str, Any] | None:
-        """One job's row as a dict (for tests and `eaglegen` inspection)."""
-        with self.engine.connect() as conn:
-            row = conn.execute(select(Job).where(Job.id == job_id)).mappings().one_or_none()
-        return None if row is None else dict(row)
-
-    def generation(self, job_id: int) -> dict[str, Any] | None:
-        """One job's generation row as a dict, or None."""
-        with self.engine.connect() as conn:
-            row = (
-                conn.execute(select(Generation).where(Generation.job_id == job_id))
-                .mappings()
-                .one_or_none()
-            )
-        return None if row is None else dict(row)
-
-    def job_ids(self, dataset_id: int | None = None, state: JobState | None = None) -> list[int]:
-        """Ids of jobs, optionally of one dataset and state, in id order."""
-        stmt = select(Job.id).order_by(Job.id)
-        if dataset_id is not None:
-            stmt = stmt.where(Job.dataset_id == dataset_id)
-        if state is not None:
-            stmt = stmt.where(Job.state == state.value)
-        with self.engine.connect() as conn:
-            return [int(i) for i in conn.scalars(stmt)]
-
-    def rejected_rows(self, dataset_id: int | None = None) -> list[tuple[int, str]]:
-        """(row_index, reason) of rejected rows, in row order."""
-        stmt = select(RejectedRow.row_index, RejectedRow.reason).order_by(RejectedRow.row_index)
-        if dataset_id is not None:
-            stmt = stmt.where(RejectedRow.dataset_id == dataset_id)
-        with self.engine.connect() as conn:
-            return [(int(r.row_index), str(r.reason)) for r in conn.execute(stmt)]
-
-    def sampling_params(self, dataset_id: int) -> dict[str, Any]:
-        """The sampling params every job of the dataset is sent with."""
-        with self.engine.connect() as conn:
-            params = conn.scalar(select(Dataset.sampling_params).where(Dataset.id == dataset_id))
-        return dict(params or {})
-
-    def generation_count(self, job_id: int | None = None) -> int:
-        """How many generation rows exist (for one job, or in all)."""
-        stmt = select(func.count()).select_from(Generation)
-        if job_id is not None:
-            stmt = stmt.where(Generation.job_id == job_id)
-        with self.engine.connect() as conn:
-            return int(conn.scalar(stmt) or 0)
-
 
 def _assemble_counts(
     state_rows: Sequence[Any], completions: dict[tuple[str, str], int]

@@ -20,8 +20,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from eaglegen.queue import BulkPublisher
-from eaglegen.settings import Settings
+from core.broker import Publisher
+from core.settings import Services, Settings
 from models.db import make_engine
 from models.repository import Repository
 from producer.enqueue import Progress as ProgressFn
@@ -33,13 +33,15 @@ from producer.template import Templater
 
 def run_enqueue(
     settings: Settings,
+    services: Services | None,
     plan: RunPlan,
     *,
-    dry_run: bool = False,
     quiet: bool = False,
     workers: int | None = None,
 ) -> RunReport:
-    """Enqueue (or dry-run) a plan with a progress line per dataset on stderr.
+    """Enqueue a plan into ``services`` with a progress line per dataset on stderr.
+
+    ``services`` None: a dry run, which reads and templates everything and writes nothing.
 
     ``workers``: processes that template batches; 0 keeps it all in this process, None
     (the default) uses every core once an input is long enough to repay their start-up.
@@ -52,7 +54,7 @@ def run_enqueue(
     # Before the progress bars' threads start: workers can then fork from this process.
     with (
         make_preparer(plan, templater, workers) as preparer,
-        _services(settings, dry_run) as (repo, publisher),
+        _destination(settings, services) as (repo, publisher),
     ):
         return _with_progress(
             plan,
@@ -69,21 +71,19 @@ def run_enqueue(
 
 
 @contextmanager
-def _services(
-    settings: Settings, dry_run: bool
-) -> Iterator[tuple[Repository | None, BulkPublisher | None]]:
+def _destination(
+    settings: Settings, services: Services | None
+) -> Iterator[tuple[Repository | None, Publisher | None]]:
     """The repository and publisher an enqueue writes to; none for a dry run."""
-    if dry_run:
+    if services is None:
         yield None, None
         return
-    assert settings.database_url is not None and settings.broker_url is not None
-    engine = make_engine(settings.database_url, pool_size=2)
-    publisher = BulkPublisher(settings.broker_url, settings.queue)
+    engine = make_engine(services.database_url, pool_size=2)
     try:
-        yield Repository(engine), publisher
+        with Publisher(services.broker_url, settings.queue) as publisher:
+            yield Repository(engine), publisher
     finally:
         engine.dispose()
-        publisher.close()
 
 
 def _with_progress(

@@ -19,8 +19,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
-from eaglegen.queue import BulkPublisher
-from models.budget import format_tokens
+from core.broker import Publisher
+from models.ledger import format_tokens
 from models.records import DatasetSpec, JobBatch, RunSpec
 from models.repository import Repository
 from producer.parallel import (
@@ -62,7 +62,7 @@ class DatabaseSink:
     """Insert jobs (duplicates skipped by the unique key), record rejections, publish ids."""
 
     repo: Repository
-    publisher: BulkPublisher
+    publisher: Publisher
     dataset_id: int
     budget_tokens: int | None
     # Until a batch holds prompts the dataset has (a re-run, repeats in the file), jobs are
@@ -147,7 +147,7 @@ def enqueue_run(
     templater: Templater,
     *,
     repo: Repository | None,
-    publisher: BulkPublisher | None,
+    publisher: Publisher | None,
     progress: Progress | None = None,
     preparer: Preparer | None = None,
 ) -> RunReport:
@@ -242,7 +242,7 @@ def _sinks(
     templater: Templater,
     params: dict[str, dict[str, Any]],
     repo: Repository | None,
-    publisher: BulkPublisher | None,
+    publisher: Publisher | None,
 ) -> dict[str, Sink]:
     if repo is None or publisher is None:
         return {d.name: DrySink(d.budget_tokens) for d in plan.datasets}

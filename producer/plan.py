@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eaglegen.sampling import complete
-from models.budget import BudgetBasis, parse_tokens
+from core.sampling import complete
+from models.ledger import BudgetBasis, parse_tokens
 from producer.runfile import RunFile
 
 

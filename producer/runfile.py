@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from models.budget import BudgetBasis, parse_tokens
+from models.ledger import BudgetBasis, parse_tokens
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
 

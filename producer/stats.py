@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.budget import BudgetBasis
+from models.ledger import BudgetBasis
 
 
 def percentiles(values: Sequence[int], points: Sequence[int] = (50, 90, 99)) -> dict[str, int]:

@@ -16,10 +16,12 @@ import psycopg
 import pytest
 import redis
 
-from eaglegen.settings import ServerSpec, Settings, normalize_database_url
+from core.settings import ServerSpec, Settings
+from core.urls import normalize_database_url
 from eaglegen.stack import EmbeddedPostgres, EmbeddedRedis
 from models.db import make_engine
 from models.repository import Repository
+from tests.helpers import InspectRepository
 
 if TYPE_CHECKING:
     from eaglegen.sim import SimServer
@@ -135,5 +137,5 @@ def repo(settings: Settings) -> Iterator[Repository]:
     """A repository on this test's database."""
     assert settings.database_url is not None
     engine = make_engine(settings.database_url)
-    yield Repository(engine)
+    yield InspectRepository(engine)
     engine.dispose()

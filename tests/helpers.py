@@ -7,9 +7,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import func, select
+
+from core.settings import Settings
 from eaglegen.assets import SAMPLE_DATASET, TOKENIZER_DIR
-from eaglegen.settings import Settings
 from models.repository import Repository
+from models.schema import Dataset, Generation, Job, RejectedRow
+from models.states import JobState
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan
 from producer.rows import to_prompt
@@ -41,6 +45,7 @@ def enqueue_file(
     """Enqueue ``path`` with the bundled tokenizer, as `eaglegen enqueue` does."""
     report = run_enqueue(
         settings,
+        settings.services(),
         RunPlan(
             run=run,
             tokenizer=TOKENIZER_DIR,
@@ -80,3 +85,56 @@ def reference_ids(tokenizer: Any, row: dict[str, Any], **template_kwargs: Any) -
         **template_kwargs,
     )
     return list(ids)
+
+
+class InspectRepository(Repository):
+    """The repository with the reads that only tests need (the product never looks a job up
+    by id or lists rows this way)."""
+
+    def job(self, job_id: int) -> dict[str, Any] | None:
+        """One job's row as a dict."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(Job).where(Job.id == job_id)).mappings().one_or_none()
+        return None if row is None else dict(row)
+
+    def generation(self, job_id: int) -> dict[str, Any] | None:
+        """One job's generation row as a dict, or None."""
+        with self.engine.connect() as conn:
+            row = (
+                conn.execute(select(Generation).where(Generation.job_id == job_id))
+                .mappings()
+                .one_or_none()
+            )
+        return None if row is None else dict(row)
+
+    def job_ids(self, dataset_id: int | None = None, state: JobState | None = None) -> list[int]:
+        """Ids of jobs, optionally of one dataset and state, in id order."""
+        stmt = select(Job.id).order_by(Job.id)
+        if dataset_id is not None:
+            stmt = stmt.where(Job.dataset_id == dataset_id)
+        if state is not None:
+            stmt = stmt.where(Job.state == state.value)
+        with self.engine.connect() as conn:
+            return [int(i) for i in conn.scalars(stmt)]
+
+    def rejected_rows(self, dataset_id: int | None = None) -> list[tuple[int, str]]:
+        """(row_index, reason) of rejected rows, in row order."""
+        stmt = select(RejectedRow.row_index, RejectedRow.reason).order_by(RejectedRow.row_index)
+        if dataset_id is not None:
+            stmt = stmt.where(RejectedRow.dataset_id == dataset_id)
+        with self.engine.connect() as conn:
+            return [(int(r.row_index), str(r.reason)) for r in conn.execute(stmt)]
+
+    def sampling_params(self, dataset_id: int) -> dict[str, Any]:
+        """The sampling params every job of the dataset is sent with."""
+        with self.engine.connect() as conn:
+            params = conn.scalar(select(Dataset.sampling_params).where(Dataset.id == dataset_id))
+        return dict(params or {})
+
+    def generation_count(self, job_id: int | None = None) -> int:
+        """How many generation rows exist (for one job, or in all)."""
+        stmt = select(func.count()).select_from(Generation)
+        if job_id is not None:
+            stmt = stmt.where(Generation.job_id == job_id)
+        with self.engine.connect() as conn:
+            return int(conn.scalar(stmt) or 0)

@@ -12,9 +12,10 @@ from celery import Celery, Task
 from celery.signals import worker_shutting_down
 from sqlalchemy.exc import OperationalError
 
-from eaglegen.queue import TASK_GENERATE, BulkPublisher, make_celery
-from eaglegen.settings import ServerSpec, Settings
+from core.settings import ServerSpec, Services, Settings
+from core.wire import TASK_GENERATE
 from worker.background import Background
+from worker.celeryconfig import make_celery
 from worker.retry import backoff
 from worker.runner import Outcome, WorkerContext, run_attempt
 
@@ -27,8 +28,9 @@ _REQUEUE = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.NO_SLOT})
 class ContextHolder:
     """Builds the WorkerContext on first use, i.e. inside the process that runs tasks."""
 
-    def __init__(self, settings: Settings, servers: list[ServerSpec] | None = None) -> None:
+    def __init__(self, settings: Settings, services: Services, servers: list[ServerSpec]) -> None:
         self._settings = settings
+        self._services = services
         self._servers = servers
         self._lock = threading.Lock()
         self._ctx: WorkerContext | None = None
@@ -37,7 +39,7 @@ class ContextHolder:
         """The process's context, built once."""
         with self._lock:
             if self._ctx is None:
-                self._ctx = WorkerContext.build(self._settings, self._servers)
+                self._ctx = WorkerContext.build(self._settings, self._services, self._servers)
             return self._ctx
 
     def close(self) -> None:
@@ -49,11 +51,14 @@ class ContextHolder:
 
 
 def create_worker_app(
-    settings: Settings, servers: list[ServerSpec] | None = None
+    settings: Settings, services: Services, servers: list[ServerSpec] | None = None
 ) -> tuple[Celery, ContextHolder]:
-    """A Celery app with the ``generate`` task bound to a lazily built context."""
-    app = make_celery(settings)
-    holder = ContextHolder(settings, servers)
+    """A Celery app with the ``generate`` task bound to a lazily built context.
+
+    ``servers``: the SGLang servers this worker calls (default: every configured one).
+    """
+    app = make_celery(settings, services.broker_url)
+    holder = ContextHolder(settings, services, settings.servers if servers is None else servers)
 
     @app.task(name=TASK_GENERATE, bind=True, max_retries=None, acks_late=True, shared=False)  # type: ignore[untyped-decorator]
     def generate(self: Task, job_id: int) -> str:
@@ -66,13 +71,21 @@ def create_worker_app(
             log.warning("job %s: database unavailable (%s); retrying", job_id, exc.orig)
             s = ctx.settings
             delay = backoff(self.request.retries + 1, s.retry_base_s, s.retry_cap_s)
-            raise self.retry(countdown=delay) from None
+            _send_back(ctx, self, int(job_id), delay)
+            return "database unavailable"
         if result.outcome in _REQUEUE:
-            # The job is `queued` in Postgres; this publishes its next message and acks ours.
-            raise self.retry(countdown=result.retry_in_s)
+            # The job is `queued` in Postgres: publish its next message; ours is acked.
+            _send_back(ctx, self, int(job_id), result.retry_in_s)
         return str(result.outcome.value)
 
     return app, holder
+
+
+def _send_back(ctx: WorkerContext, task: Task, job_id: int, countdown: float) -> None:
+    """Publish the job's next message, as Celery's ``Task.retry`` would (same task id)."""
+    ctx.publisher.publish_later(
+        job_id, countdown=countdown, retries=task.request.retries + 1, task_id=task.request.id
+    )
 
 
 def nodename() -> str:
@@ -97,12 +110,13 @@ def worker_argv(settings: Settings, *, hostname: str, loglevel: str = "INFO") ->
 
 def start(
     settings: Settings,
+    services: Services,
     servers: list[ServerSpec] | None = None,
     info: dict[str, Any] | None = None,
     loglevel: str = "INFO",
 ) -> None:
     """Run a worker in this process until SIGTERM/SIGINT, then shut down with a grace period."""
-    app, holder = create_worker_app(settings, servers)
+    app, holder = create_worker_app(settings, services, servers)
     ctx = holder.get()
     name = nodename()
     background = Background(ctx, app, name, info)
@@ -121,7 +135,6 @@ def _on_shutdown(ctx: WorkerContext) -> None:
 
     def abandon() -> None:
         jobs = ctx.running_jobs()
-        publisher = BulkPublisher(ctx.settings.broker_url or "", ctx.settings.queue)
         released = [
             j
             for j in jobs
@@ -129,8 +142,7 @@ def _on_shutdown(ctx: WorkerContext) -> None:
                 j, ctx.name, "worker stopped before the request finished", refund=True
             )
         ]
-        publisher.publish(released)
-        publisher.close()
+        ctx.publisher.publish(released)
         ctx.router.release_all()  # else other workers lose these slots for slot_lease_seconds
         log.warning("grace period over: released %s running job(s): %s", len(released), released)
         # Celery's cold shutdown would still join the pool's threads, which wait on their

@@ -14,8 +14,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from eaglegen import keys
-from eaglegen.queue import BulkPublisher
+from core import keys
 from worker.reconcile import reconcile
 from worker.runner import WorkerContext
 from worker.servers import probe
@@ -36,7 +35,6 @@ class Background:
         self.consuming = True
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._publisher = BulkPublisher(ctx.settings.broker_url or "", ctx.settings.queue)
         self._consuming_lock = threading.Lock()
         # A request that finds its server gone pauses consumption at once, not a loop later.
         ctx.router.on_change.append(lambda: self._set_consuming(ctx.router.any_healthy()))
@@ -59,7 +57,6 @@ class Background:
             self.ctx.redis.delete(keys.heartbeat(socket.gethostname(), os.getpid()))
         except redis.RedisError:  # Redis down: the heartbeat expires by itself
             log.warning("could not remove the heartbeat; it expires in a few beats")
-        self._publisher.close()
 
     def _loop(self, name: str, interval_s: float, step: Callable[[], None]) -> None:
         def run() -> None:
@@ -148,7 +145,7 @@ class Background:
         report = reconcile(
             self.ctx.repo,
             self.ctx.redis,
-            self._publisher,
+            self.ctx.publisher,
             max_attempts=s.max_attempts,
             republish_after_s=s.republish_after_s,
         )

@@ -14,36 +14,40 @@ from typing import Any
 
 import redis
 
-from eaglegen import keys
-from eaglegen.settings import Settings
+from core import keys
+from core.settings import Services, Settings
 from worker import numa
 
 log = logging.getLogger(__name__)
 
 
 def run_worker(
-    settings: Settings, numa_spec: str | None, argv_rest: list[str], sysfs_root: Path = Path("/sys")
+    settings: Settings,
+    services: Services,
+    numa_spec: str | None,
+    argv_rest: list[str],
+    sysfs_root: Path = Path("/sys"),
 ) -> int:
     """Start one pinned worker, or (``auto``, ``0,1``) one child process per NUMA node."""
     from worker.app import start
 
     if numa_spec is None:
-        start(settings)
+        start(settings, services)
         return 0
     topology = numa.read_topology(sysfs_root)
     nodes = numa.resolve_nodes(numa_spec, topology)
     if len(nodes) > 1:
         # Service URLs go to the children by environment: argv is visible to every user.
         env = {
-            "EAGLEGEN_DATABASE_URL": settings.database_url or "",
-            "EAGLEGEN_BROKER_URL": settings.broker_url or "",
+            "EAGLEGEN_DATABASE_URL": services.database_url,
+            "EAGLEGEN_BROKER_URL": services.broker_url,
         }
         return _supervise(nodes, argv_rest, env)
     node = numa.find_node(topology, nodes[0])
     servers = numa.servers_for_node(settings.servers, node.id)
     pinned = numa.pin_to_node(node)
     log.warning("worker pinned: %s; servers: %s", pinned, ", ".join(s.name for s in servers))
-    start(settings, servers=servers, info=pinned.as_dict())
+    start(settings, services, servers=servers, info=pinned.as_dict())
     return 0
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from eaglegen.settings import ServerSpec
+    from core.settings import ServerSpec
 
 NODE_DIR = Path("devices/system/node")
 _NODE_NAME = re.compile(r"node(\d+)")

@@ -9,18 +9,12 @@ because the claim decides.
 
 from __future__ import annotations
 
-import base64
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
-from eaglegen.queue import BulkPublisher
+from core.broker import Publisher, waiting_job_ids
 from models.repository import Repository
-
-SCAN_CHUNK = 5000
 
 
 @dataclass(frozen=True)
@@ -43,7 +37,7 @@ class ReconcileReport:
 def reconcile(
     repo: Repository,
     client: redis.Redis,
-    publisher: BulkPublisher,
+    publisher: Publisher,
     *,
     max_attempts: int,
     republish_after_s: float,
@@ -54,32 +48,7 @@ def reconcile(
     # Read candidates before scanning Redis: a job published after the scan started was
     # also published after this read, so it is never mistaken for missing.
     candidates = repo.queued_job_ids(idle_seconds=republish_after_s)
-    waiting = job_ids_in_queue(client, publisher.queue)
+    waiting = waiting_job_ids(client, publisher.queue)
     missing = sorted(set(candidates) - waiting - set(expired))
     publisher.publish(missing)
     return ReconcileReport(len(expired), len(missing), len(waiting))
-
-
-def job_ids_in_queue(client: redis.Redis, queue: str) -> set[int]:
-    """Job ids of every message waiting in ``queue``."""
-    return {
-        job_id for raw in _queue_messages(client, queue) if (job_id := _job_id(raw)) is not None
-    }
-
-
-def _queue_messages(client: redis.Redis, queue: str) -> Iterator[Any]:
-    start = 0
-    while chunk := client.lrange(queue, start, start + SCAN_CHUNK - 1):
-        yield from chunk
-        start += SCAN_CHUNK
-
-
-def _job_id(raw: Any) -> int | None:
-    """The job id inside one kombu envelope, or None for anything else."""
-    try:
-        envelope = json.loads(raw)
-        body = base64.b64decode(envelope["body"])
-        _args, kwargs, _embed = json.loads(body)
-        return int(kwargs["job_id"])
-    except (ValueError, KeyError, TypeError):
-        return None

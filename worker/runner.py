@@ -17,7 +17,8 @@ from enum import Enum
 import redis
 from sqlalchemy.exc import OperationalError
 
-from eaglegen.settings import ServerSpec, Settings
+from core.broker import Publisher
+from core.settings import ServerSpec, Services, Settings
 from models.db import make_engine
 from models.records import ClaimedJob, GenerationRecord
 from models.repository import Repository
@@ -60,23 +61,23 @@ class WorkerContext:
     repo: Repository
     router: Router
     redis: redis.Redis
+    publisher: Publisher
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     in_flight: set[int] = field(default_factory=set)
     stopping: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, settings: Settings, servers: list[ServerSpec] | None = None) -> WorkerContext:
+    def build(
+        cls, settings: Settings, services: Services, servers: list[ServerSpec]
+    ) -> WorkerContext:
         """Engine, repository, Redis and one HTTP client per attached server."""
-        if settings.database_url is None or settings.broker_url is None:
-            raise ValueError("no database/broker url: set EAGLEGEN_DATABASE_URL/BROKER_URL")
-        specs = servers if servers is not None else settings.servers
-        if not specs:
+        if not servers:
             raise ValueError("no SGLang servers: set EAGLEGEN_SERVERS or pass --server URL")
         engine = make_engine(
-            settings.database_url, pool_size=min(settings.worker_concurrency, 32), async_commit=True
+            services.database_url, pool_size=min(settings.worker_concurrency, 32), async_commit=True
         )
-        client = redis.Redis.from_url(settings.broker_url)
+        client = redis.Redis.from_url(services.broker_url)
         attached = [
             Server(
                 spec=s,
@@ -87,10 +88,16 @@ class WorkerContext:
                     max_connections=settings.worker_concurrency,
                 ),
             )
-            for s in specs
+            for s in servers
         ]
         router = Router(attached, SlotPool(client, lease_seconds=settings.slot_lease_seconds))
-        return cls(settings=settings, repo=Repository(engine), router=router, redis=client)
+        return cls(
+            settings=settings,
+            repo=Repository(engine),
+            router=router,
+            redis=client,
+            publisher=Publisher(services.broker_url, settings.queue),
+        )
 
     def track(self, job_id: int, running: bool) -> None:
         """Remember which jobs this process runs, for lease renewal."""
@@ -108,6 +115,7 @@ class WorkerContext:
             server.client.close()
         self.repo.engine.dispose()
         self.redis.close()
+        self.publisher.close()
 
 
 def run_attempt(ctx: WorkerContext, job_id: int) -> Result:

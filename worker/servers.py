@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from eaglegen.settings import ServerSpec
+from core.settings import ServerSpec
 from worker.sglang import SGLangClient
 from worker.slots import SlotPool
 

@@ -7,31 +7,11 @@ from typing import Any
 
 import httpx
 
-from eaglegen.settings import ServerSpec
+from core import sampling
+from core.settings import ServerSpec
 from worker.retry import AttemptError, classify_status
 
 KEEPALIVE_EXPIRY_S = 2.0
-SAMPLING_KEYS = frozenset(
-    {
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "min_new_tokens",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "n",
-        "sampling_seed",
-        "no_stop_trim",
-    }
-)
 
 
 class SGLangClient:
@@ -58,9 +38,9 @@ class SGLangClient:
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str) -> Any:
         """POST /generate; raise AttemptError (retryable or not) on any failure."""
-        unknown = set(sampling_params) - SAMPLING_KEYS
-        if unknown:
-            raise AttemptError(f"unknown sampling params {sorted(unknown)}", retryable=False)
+        refused = sampling.unsendable(sampling_params)
+        if refused:
+            raise AttemptError(f"sampling params SGLang must not get: {refused}", retryable=False)
         payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
         try:
             response = self._http.post("/generate", json=payload)

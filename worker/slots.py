@@ -11,7 +11,7 @@ import uuid
 
 import redis
 
-from eaglegen import keys
+from core import keys
 
 # Drop lapsed leases, then take a slot if fewer than the limit are held. Atomic in Redis.
 _ACQUIRE = """

@@ -251,8 +251,8 @@ class PrefixCache:
         return len(self._blocks) * BLOCK_TOKENS
 
 
-class JobState(Enum):
-    """Where a job is in the scheduler."""
+class RequestState(Enum):
+    """Where a request is in the scheduler."""
 
     WAITING = "waiting"
     PREFILL = "prefill"
@@ -270,7 +270,7 @@ class Job:
     # KV the request may need at most: SGLang admits on prompt + max_new_tokens.
     reserve: int
     count_in_metrics: bool = True
-    state: JobState = JobState.WAITING
+    state: RequestState = RequestState.WAITING
     cached_tokens: int = 0
     admit_step: int = -1
     key: int = 0
@@ -353,7 +353,7 @@ class Scheduler:
             raise ValueError(f"job needs {job.reserve} KV tokens, pool has {self.kv_tokens}")
         self._next_key += 1
         job.key = self._next_key
-        job.state = JobState.WAITING
+        job.state = RequestState.WAITING
         self._waiting.append(job)
 
     def admit(self) -> PrefillBatch | None:
@@ -388,7 +388,7 @@ class Scheduler:
 
     def _start_prefill(self, job: Job, cached_tokens: int) -> None:
         """Allocate a job's prompt KV and reservation."""
-        job.state = JobState.PREFILL
+        job.state = RequestState.PREFILL
         job.cached_tokens = cached_tokens
         self._running[job.key] = job
         self.reserved_tokens += job.reserve
@@ -398,7 +398,7 @@ class Scheduler:
         """Prefill yields each job's first token; returns the jobs that are already done."""
         done: list[Job] = []
         for job in batch.jobs:
-            if job.state is not JobState.PREFILL:
+            if job.state is not RequestState.PREFILL:
                 continue
             first = min(1, job.output_tokens)
             self.used_tokens += first
@@ -406,7 +406,7 @@ class Scheduler:
             if job.output_tokens <= 1:
                 done.append(self._finish(job))
                 continue
-            job.state = JobState.RUNNING
+            job.state = RequestState.RUNNING
             job.admit_step = self.step
             self._decoding += 1
             heapq.heappush(self._heap, (self.step + job.output_tokens - 1, job.key))
@@ -421,7 +421,7 @@ class Scheduler:
         while self._heap and self._heap[0][0] <= self.step:
             _, key = heapq.heappop(self._heap)
             job = self._running.get(key)
-            if job is not None and job.state is JobState.RUNNING:
+            if job is not None and job.state is RequestState.RUNNING:
                 self._decoding -= 1
                 done.append(self._finish(job))
         return done
@@ -431,7 +431,7 @@ class Scheduler:
         del self._running[job.key]
         self.used_tokens -= job.prompt_tokens + job.output_tokens
         self.reserved_tokens -= job.reserve
-        job.state = JobState.DONE
+        job.state = RequestState.DONE
         if job.count_in_metrics:
             self.totals.prompt_tokens += job.prompt_tokens
             self.totals.generation_tokens += job.output_tokens
@@ -441,21 +441,21 @@ class Scheduler:
 
     def abort(self, job: Job) -> None:
         """Drop a job wherever it is (its client went away), freeing its KV."""
-        if job.state is JobState.WAITING:
+        if job.state is RequestState.WAITING:
             self._waiting.remove(job)
-        elif job.state in (JobState.PREFILL, JobState.RUNNING):
+        elif job.state in (RequestState.PREFILL, RequestState.RUNNING):
             del self._running[job.key]
             self.used_tokens -= job.prompt_tokens + self._generated_so_far(job)
             self.reserved_tokens -= job.reserve
-            if job.state is JobState.RUNNING:
+            if job.state is RequestState.RUNNING:
                 self._decoding -= 1
         else:
             return
-        job.state = JobState.ABORTED
+        job.state = RequestState.ABORTED
 
     def _generated_so_far(self, job: Job) -> int:
         """Tokens a job holds in KV beyond its prompt."""
-        if job.state is JobState.PREFILL:
+        if job.state is RequestState.PREFILL:
             return 0
         return min(job.output_tokens, 1 + self.step - job.admit_step)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
-from eaglegen.settings import Settings
 from tests.helpers import sample_rows, write_jsonl
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglegen.settings import Settings
+from core.settings import Settings
 from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
 from tests.faults.harness import Fleet, PrivatePostgres, PrivateRedis, fault_settings, make_repo

@@ -19,15 +19,16 @@ from typing import Any, TypeVar
 import redis
 from sqlalchemy.exc import DBAPIError
 
+from core.broker import Publisher
+from core.sampling import complete
+from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR, special_ids
-from eaglegen.queue import BulkPublisher
-from eaglegen.sampling import complete
-from eaglegen.settings import Settings
 from eaglegen.stack import EmbeddedPostgres, EmbeddedRedis, free_port
 from models.db import make_engine
 from models.records import DatasetSpec, NewJob, RunSpec
 from models.repository import Repository
 from models.states import JobState
+from tests.helpers import InspectRepository
 from worker.commands import alive_workers
 
 T = TypeVar("T")
@@ -89,7 +90,7 @@ def seed_jobs(
     finally:
         repo.engine.dispose()
     assert len(ids) == n, f"{len(ids)} of {n} prompts were new"
-    publisher = BulkPublisher(settings.broker_url, settings.queue)
+    publisher = Publisher(settings.broker_url, settings.queue)
     publisher.publish(ids)
     publisher.close()
     return ids
@@ -98,7 +99,7 @@ def seed_jobs(
 def make_repo(settings: Settings) -> Repository:
     """A small pooled repository for polling from the test thread."""
     assert settings.database_url is not None
-    return Repository(make_engine(settings.database_url, pool_size=2))
+    return InspectRepository(make_engine(settings.database_url, pool_size=2))
 
 
 def fault_settings(database_url: str, broker_url: str, tmp_path: Path) -> Settings:

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from eaglegen.queue import BulkPublisher
-from eaglegen.settings import Settings
+from core.broker import Publisher
+from core.settings import Settings
 from eaglegen.sim import SimConfig, SimServer
 from models.budgets import BudgetRow
 from models.repository import Repository
@@ -98,7 +98,7 @@ def test_raising_a_budget_mid_run_resumes_the_skipped_jobs(
     requeued = repo.set_budget("run", "grow", None)
     assert len(requeued) >= skipped_before
     assert fast_settings.broker_url is not None
-    publisher = BulkPublisher(fast_settings.broker_url, fast_settings.queue)
+    publisher = Publisher(fast_settings.broker_url, fast_settings.queue)
     publisher.publish(requeued)
     publisher.close()
     wait_settled(repo, short_fleet, timeout_s=120)

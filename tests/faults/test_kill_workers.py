@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from eaglegen.settings import Settings
+from core.settings import Settings
 from models.repository import Repository
 from tests.faults.harness import (
     Fleet,

@@ -13,13 +13,13 @@ import pytest
 import redis
 
 from bench.procs import live_children
+from core.broker import Publisher, waiting_job_ids
+from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
-from eaglegen.queue import BulkPublisher
-from eaglegen.settings import Settings
 from eaglegen.stack import EmbeddedRedis
 from models.repository import Repository
 from tests.faults.harness import state_counts, wait_for, worker_env
-from worker.reconcile import job_ids_in_queue, reconcile
+from worker.reconcile import reconcile
 
 pytestmark = pytest.mark.faults
 
@@ -71,7 +71,7 @@ def test_an_enqueue_killed_mid_run_is_finished_by_a_rerun_and_the_reconciler(
 
     assert fast_settings.broker_url is not None
     client = redis.Redis.from_url(fast_settings.broker_url)
-    publisher = BulkPublisher(fast_settings.broker_url, fast_settings.queue)
+    publisher = Publisher(fast_settings.broker_url, fast_settings.queue)
     try:
         # A batch committed but not yet published when the kill came has no message yet.
         passes = [
@@ -81,7 +81,7 @@ def test_an_enqueue_killed_mid_run_is_finished_by_a_rerun_and_the_reconciler(
         assert passes[1].republished == 0  # the first pass left nothing missing
         job_ids = repo.job_ids()
         assert len(job_ids) == PROMPTS  # every prompt once: nothing lost, nothing twice
-        assert job_ids_in_queue(client, fast_settings.queue) == set(job_ids)
+        assert waiting_job_ids(client, fast_settings.queue) == set(job_ids)
         assert client.llen(fast_settings.queue) == PROMPTS  # one message per job
     finally:
         publisher.close()

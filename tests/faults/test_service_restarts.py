@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglegen.settings import Settings
+from core.settings import Settings
 from eaglegen.sim import SimServer
 from models.db import upgrade
 from models.repository import Repository

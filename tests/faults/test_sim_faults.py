@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from eaglegen.settings import Settings
+from core.settings import Settings
 from eaglegen.sim import FaultConfig, SimConfig, SimServer
 from models.repository import Repository
 from tests.faults.conftest import FleetFactory

@@ -1,19 +1,23 @@
-"""The producer's hand-built task messages are the ones Celery's send_task would publish."""
+"""The one wire format (core.wire) against Celery's and kombu's own, in both directions."""
 
 from __future__ import annotations
 
 import base64
 import json
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from kombu import Connection
 
-from eaglegen.queue import TASK_GENERATE, EnvelopeFactory, make_celery
-from eaglegen.settings import Settings
+from core import wire
+from core.broker import Publisher, waiting_job_ids
+from core.settings import Settings
+from worker.celeryconfig import make_celery
 
-# Per-message values: ids, tags, the origin and the reply queue of the sending app.
-VARYING = {"id", "root_id", "correlation_id", "delivery_tag", "origin", "reply_to"}
+# Per-message values: ids, tags, the origin, the reply queue of the sending app, the eta.
+VARYING = {"id", "root_id", "correlation_id", "delivery_tag", "origin", "reply_to", "eta"}
 
 
 def strip(message: dict[str, Any]) -> dict[str, Any]:
@@ -25,34 +29,98 @@ def strip(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def test_envelope_matches_send_task(broker_url: str) -> None:
-    app = make_celery(Settings(broker_url=broker_url, queue="q"))
+def celery_sends(broker_url: str, queue: str, **options: Any) -> dict[str, Any]:
+    """The envelope Celery's send_task LPUSHes for ``generate(job_id=42)``."""
+    app = make_celery(Settings(queue=queue), broker_url)
     app.conf.task_send_sent_event = False
-    app.send_task(TASK_GENERATE, kwargs={"job_id": 42}, queue="q")
+    app.send_task(wire.TASK_GENERATE, kwargs={"job_id": 42}, queue=queue, **options)
     app.close()
-    client = redis.Redis.from_url(broker_url)
-    [raw] = client.lrange("q", 0, -1)
-    client.close()
-    celery_message = json.loads(raw)
-    ours = json.loads(EnvelopeFactory("q", "host:1")(42))
+    with redis.Redis.from_url(broker_url) as client:
+        [raw] = client.lrange(queue, 0, -1)
+        client.delete(queue)
+    return json.loads(raw)  # type: ignore[no-any-return]
+
+
+def test_envelope_matches_send_task(broker_url: str) -> None:
+    celery_message = celery_sends(broker_url, "q")
+    ours = json.loads(wire.EnvelopeFactory("q", "host:1")(42))
     assert strip(ours) == strip(celery_message)
     assert base64.b64decode(ours["body"]) == base64.b64decode(celery_message["body"])
     headers = ours["headers"]
     assert headers["id"] == headers["root_id"] == ours["properties"]["correlation_id"]
+    assert headers["eta"] is None and celery_message["headers"]["eta"] is None
 
 
-def test_every_envelope_has_fresh_ids() -> None:
-    factory = EnvelopeFactory('we"ird%q', "h:1")
-    first, second = json.loads(factory(1)), json.loads(factory(1))
-    assert first["headers"]["id"] != second["headers"]["id"]
+def test_a_message_sent_back_matches_send_task_with_countdown_and_retries(
+    broker_url: str,
+) -> None:
+    celery_message = celery_sends(broker_url, "q", countdown=30, retries=3)
+    ours = json.loads(wire.EnvelopeFactory("q", "h:1").later(42, countdown=30, retries=3))
+    assert strip(ours) == strip(celery_message)
+    assert ours["headers"]["retries"] == 3
+    for message in (ours, celery_message):
+        eta = datetime.fromisoformat(message["headers"]["eta"])
+        assert abs((eta - datetime.now(UTC)).total_seconds() - 30) < 5
+
+
+def test_a_message_sent_back_keeps_its_task_id() -> None:
+    factory = wire.EnvelopeFactory("q", "h:1")
+    first = json.loads(factory.later(7, countdown=1, retries=1, task_id="abc"))
+    second = json.loads(factory.later(7, countdown=1, retries=2, task_id="abc"))
+    assert first["headers"]["id"] == second["headers"]["id"] == "abc"
     assert first["properties"]["delivery_tag"] != second["properties"]["delivery_tag"]
-    assert first["properties"]["delivery_info"]["routing_key"] == 'we"ird%q'
+
+
+def test_the_fast_rendering_is_the_defined_envelope() -> None:
+    factory = wire.EnvelopeFactory('we"ird%q', "h:1")
+    fast = json.loads(factory(2**40))
+    defined = wire.envelope(
+        2**40,
+        queue='we"ird%q',
+        origin="h:1",
+        task_id=fast["headers"]["id"],
+        delivery_tag=fast["properties"]["delivery_tag"],
+    )
+    assert fast == defined
+
+
+def test_kombu_decodes_what_we_publish(broker_url: str) -> None:
+    with Publisher(broker_url, "q") as publisher:
+        publisher.publish([5])
+        publisher.publish_later(6, countdown=2, retries=1)
+    with Connection(broker_url) as connection:
+        channel = connection.default_channel
+        decoded = []
+        for _ in range(2):
+            message = channel.basic_get("q", no_ack=True)
+            assert message.content_type == "application/json"
+            assert message.headers["task"] == wire.TASK_GENERATE
+            decoded.append((message.payload, message.headers["retries"]))
+    embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+    assert decoded == [([[], {"job_id": 5}, embed], 0), ([[], {"job_id": 6}, embed], 1)]
+
+
+def test_we_read_back_what_celery_publishes(broker_url: str) -> None:
+    celery_message = celery_sends(broker_url, "q")
+    assert wire.job_id_of(json.dumps(celery_message)) == 42
+    assert wire.job_id_of(b"not json") is None
+    other = {**celery_message, "headers": {**celery_message["headers"], "task": "other.task"}}
+    assert wire.job_id_of(json.dumps(other)) is None
+
+
+def test_the_queue_is_read_back_through_the_same_format(broker_url: str) -> None:
+    with Publisher(broker_url, "q") as publisher:
+        publisher.publish([1, 2, 3])
+        publisher.publish_later(4, countdown=60, retries=2)
+    with redis.Redis.from_url(broker_url) as client:
+        client.lpush("q", b"garbage")
+        assert waiting_job_ids(client, "q") == {1, 2, 3, 4}
 
 
 def test_task_ids_and_delivery_tags_are_unique_and_uuid_shaped() -> None:
     # kombu keys a worker's unacked messages by delivery tag: two alike would lose one.
     seen: set[str] = set()
-    for factory in (EnvelopeFactory("q", "h:1"), EnvelopeFactory("q", "h:1")):
+    for factory in (wire.EnvelopeFactory("q", "h:1"), wire.EnvelopeFactory("q", "h:1")):
         for job_id in (7, 7, 8):  # the same job published twice gets new ids too
             message = json.loads(factory(job_id))
             ids = (message["headers"]["id"], message["properties"]["delivery_tag"])

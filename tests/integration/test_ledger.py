@@ -8,17 +8,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from models.budget import BudgetBasis
 from models.db import make_engine
+from models.ledger import BudgetBasis
 from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
 from models.repository import Repository
 from models.states import JobState
+from tests.helpers import InspectRepository
 
 
 @pytest.fixture
 def repo(database_url: str) -> Iterator[Repository]:
     engine = make_engine(database_url, pool_size=20)
-    yield Repository(engine)
+    yield InspectRepository(engine)
     engine.dispose()
 
 

@@ -11,8 +11,8 @@ from sqlalchemy import create_engine, text
 
 from models.db import alembic_config, make_engine
 from models.records import NewJob
-from models.repository import Repository
 from models.schema import Base
+from tests.helpers import InspectRepository
 
 
 def test_migrated_database_matches_models(database_url: str) -> None:
@@ -55,7 +55,7 @@ def test_jobs_stored_before_0004_keep_their_identity(database_url: str) -> None:
             },
         )
     command.upgrade(alembic_config(database_url), "head")
-    repo = Repository(engine)
+    repo = InspectRepository(engine)
     [job_id] = repo.job_ids()
     stored = repo.job(job_id)
     assert stored is not None and stored["messages"] == job.messages

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from bench.procs import descendants
+from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
-from eaglegen.settings import Settings
 from models.repository import Repository
 from producer import enqueue
 from producer.commands import run_enqueue
@@ -88,7 +88,7 @@ def test_enqueue_with_workers_stores_what_in_process_stores(
             datasets=[DatasetPlan("d", path, sampling={"max_new_tokens": 64})],
             max_context_len=200,
         )
-        report = run_enqueue(settings, plan, quiet=True, workers=workers)
+        report = run_enqueue(settings, settings.services(), plan, quiet=True, workers=workers)
         return report.as_dict()["datasets"]["d"]  # type: ignore[no-any-return]
 
     assert run("pooled", 2) == run("in-process", 0)

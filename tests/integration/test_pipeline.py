@@ -9,7 +9,7 @@ import httpx
 import pytest
 from celery.contrib.testing.worker import start_worker
 
-from eaglegen.settings import Settings
+from core.settings import Settings
 from eaglegen.sim import SimServer
 from models.repository import Repository
 from models.states import JobState
@@ -19,7 +19,7 @@ from worker.app import create_worker_app
 
 @pytest.fixture
 def running_worker(settings: Settings) -> Iterator[None]:
-    app, context = create_worker_app(settings)
+    app, context = create_worker_app(settings, settings.services())
     with start_worker(
         app,
         pool="threads",

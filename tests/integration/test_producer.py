@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import redis
 
+from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
-from eaglegen.settings import Settings
-from models.budget import BudgetBasis
+from models.ledger import BudgetBasis
 from models.repository import Repository
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan, plan_from_run_file
@@ -168,7 +168,7 @@ def test_a_dataset_keeps_its_budget_and_the_enqueue_says_so(
                 DatasetPlan("d", path, sampling=sampling, budget_tokens=budget, budget_basis=basis)
             ],
         )
-        return run_enqueue(settings, plan, quiet=True).as_dict()
+        return run_enqueue(settings, settings.services(), plan, quiet=True).as_dict()
 
     assert enqueue(1_000)["warnings"] == []
     again = enqueue(2_500_000)
@@ -222,6 +222,7 @@ def test_another_chat_template_is_refused(settings: Settings, tmp_path: Path) ->
     with pytest.raises(ValueError, match="chat template"):
         run_enqueue(
             settings,
+            settings.services(),
             RunPlan(
                 run="run",
                 tokenizer=other,
@@ -248,7 +249,7 @@ def test_dry_run_writes_nothing_and_reports_the_numbers(
             )
         ],
     )
-    report = run_enqueue(settings, plan, dry_run=True, quiet=True)
+    report = run_enqueue(settings, None, plan, quiet=True)
     doc = report.as_dict()["datasets"]["d"]
     assert (doc["rows"], doc["accepted"], doc["duplicates"], doc["rejected"]) == (61, 50, 10, 1)
     assert doc["rejected_by_reason"] == {"invalid_json": 1}
@@ -279,7 +280,10 @@ limit = 5
 sample_seed = 3
 """)
     report = run_enqueue(
-        settings, plan_from_run_file(load_run_file(tmp_path / "run.toml")), quiet=True
+        settings,
+        settings.services(),
+        plan_from_run_file(load_run_file(tmp_path / "run.toml")),
+        quiet=True,
     )
     assert report.as_dict()["accepted"] == 25
     counts = {c.dataset: c.total for c in repo.counts("two")}

@@ -10,12 +10,12 @@ import psycopg
 import pytest
 import redis
 
-from eaglegen.queue import BulkPublisher
-from eaglegen.settings import Settings
+from core.broker import Publisher, waiting_job_ids
+from core.settings import Settings
 from models.records import GenerationRecord
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, write_jsonl
-from worker.reconcile import job_ids_in_queue, reconcile
+from worker.reconcile import reconcile
 from worker.slots import SlotPool
 
 
@@ -43,15 +43,15 @@ def test_reconciler_republishes_what_redis_lost(
 ) -> None:
     enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(30)))
     ids = repo.job_ids()
-    assert job_ids_in_queue(client, settings.queue) == set(ids)
-    publisher = BulkPublisher(settings.broker_url or "", settings.queue)
+    assert waiting_job_ids(client, settings.queue) == set(ids)
+    publisher = Publisher(settings.services().broker_url, settings.queue)
     quiet = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
     assert quiet.republished == 0  # nothing missing: no duplicate messages
     client.flushdb()  # Redis restarted empty
     report = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
     publisher.close()
     assert (report.republished, report.expired_leases) == (30, 0)
-    assert job_ids_in_queue(client, settings.queue) == set(ids)
+    assert waiting_job_ids(client, settings.queue) == set(ids)
 
 
 def test_reconciler_requeues_jobs_of_dead_workers(
@@ -62,11 +62,11 @@ def test_reconciler_requeues_jobs_of_dead_workers(
     first = repo.job_ids()[0]
     assert repo.claim(first, "dead", lease_seconds=1).job is not None
     time.sleep(1.2)
-    publisher = BulkPublisher(settings.broker_url or "", settings.queue)
+    publisher = Publisher(settings.services().broker_url, settings.queue)
     report = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
     publisher.close()
     assert report.expired_leases == 1
-    assert job_ids_in_queue(client, settings.queue) == set(repo.job_ids())
+    assert waiting_job_ids(client, settings.queue) == set(repo.job_ids())
 
 
 def test_audit_passes_on_a_clean_run_and_names_a_broken_ledger(

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
-from eaglegen.settings import Settings
 from models.repository import Repository
 from producer import enqueue
 from producer.commands import run_enqueue
@@ -58,7 +58,10 @@ def test_remote_code_tokenizer_stores_its_own_apply_chat_template_ids(
     rows = sample_rows(300)  # tools, tool-call history, multi-turn
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     report = run_enqueue(
-        settings, plan(remote_tokenizer, data, f"w{workers}", trust=True), workers=workers
+        settings,
+        settings.services(),
+        plan(remote_tokenizer, data, f"w{workers}", trust=True),
+        workers=workers,
     )
     assert report.datasets[0].accepted == 300
     tokenizer = templater.tokenizer
@@ -73,7 +76,12 @@ def test_remote_code_runs_only_when_trusted(
 ) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", sample_rows(2))
     with pytest.raises(ValueError, match="if you trust it, pass --trust-remote-code"):
-        run_enqueue(settings, plan(remote_tokenizer, data, "r", trust=False), quiet=True)
+        run_enqueue(
+            settings,
+            settings.services(),
+            plan(remote_tokenizer, data, "r", trust=False),
+            quiet=True,
+        )
 
 
 def test_the_remote_code_is_part_of_the_tokenizer_hash(remote_tokenizer: Path) -> None:

@@ -12,12 +12,13 @@ from models.db import make_engine
 from models.records import DatasetSpec, GenerationRecord, JobBatch, NewJob, RunSpec
 from models.repository import DatasetMismatchError, Repository, RunMismatchError
 from models.states import JobState
+from tests.helpers import InspectRepository
 
 
 @pytest.fixture
 def repo(database_url: str) -> Iterator[Repository]:
     engine = make_engine(database_url, pool_size=20)
-    yield Repository(engine)
+    yield InspectRepository(engine)
     engine.dispose()
 
 

@@ -21,7 +21,7 @@ from celery.contrib.testing.worker import start_worker
 from sqlalchemy import text
 
 import worker.retry
-from eaglegen.settings import ServerSpec, Settings
+from core.settings import ServerSpec, Settings
 from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
@@ -79,7 +79,7 @@ def tuned(settings: Settings, **overrides: Any) -> Settings:
 @contextmanager
 def running_worker(settings: Settings) -> Iterator[WorkerContext]:
     """A worker as `eaglegen worker` runs it: Celery threads pool plus the side loops."""
-    app, holder = create_worker_app(settings)
+    app, holder = create_worker_app(settings, settings.services())
     ctx = holder.get()
     name = f"eaglegen-test-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
     background = Background(ctx, app, name)

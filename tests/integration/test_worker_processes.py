@@ -19,8 +19,8 @@ import httpx
 import redis
 from sqlalchemy import text
 
-from eaglegen import keys
-from eaglegen.settings import Settings
+from core import keys
+from core.settings import Settings
 from eaglegen.sim import SimConfig, SimServer
 from eaglegen.sim.metrics import parse
 from models.repository import Repository

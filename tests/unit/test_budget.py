@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.budget import (
+from models.ledger import (
     BudgetBasis,
     format_tokens,
     parse_tokens,

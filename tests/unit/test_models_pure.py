@@ -1,13 +1,13 @@
-"""Token packing, job state machine, settings and sampling: pure logic."""
+"""Token packing, settings and sampling: pure logic."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from eaglegen.sampling import DEFAULTS, complete
-from eaglegen.settings import Settings, normalize_database_url, redact
-from models.states import JobState, can_transition
+from core.sampling import DEFAULTS, complete
+from core.settings import Settings
+from core.urls import normalize_database_url, redact
 from models.tokens import pack, unpack
 
 
@@ -15,15 +15,6 @@ def test_pack_round_trips_the_full_int32_range() -> None:
     ids = [0, 1, 163606, 163607, 2**31 - 1, 5]
     assert unpack(pack(ids)) == ids
     assert len(pack(ids)) == 4 * len(ids)
-
-
-def test_state_machine_allows_only_designed_moves() -> None:
-    assert can_transition(JobState.QUEUED, JobState.RUNNING)
-    assert can_transition(JobState.RUNNING, JobState.QUEUED)
-    assert can_transition(JobState.SKIPPED_BUDGET, JobState.QUEUED)
-    assert not can_transition(JobState.DONE, JobState.QUEUED)
-    assert not can_transition(JobState.QUEUED, JobState.DONE)
-    assert not can_transition(JobState.FAILED, JobState.RUNNING)
 
 
 def test_database_urls_are_normalized_to_psycopg() -> None:

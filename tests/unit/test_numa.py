@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from eaglegen.settings import ServerSpec
+from core.settings import ServerSpec
 from worker import numa
 from worker.numa import (
     MemPolicy,

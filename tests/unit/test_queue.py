@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from redis.connection import Connection
 
-from eaglegen.queue import lpush_command
+from core.wire import lpush_command
 
 
 def test_lpush_command_is_what_redis_py_packs() -> None:

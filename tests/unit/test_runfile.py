@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from models.budget import BudgetBasis
+from models.ledger import BudgetBasis
 from producer.plan import parse_template_kwargs, plan_from_flags, plan_from_run_file
 from producer.runfile import load_run_file
 

@@ -17,9 +17,9 @@ from eaglegen.sim.engine import (
     Completion,
     Finish,
     Job,
-    JobState,
     OutputShape,
     PrefixCache,
+    RequestState,
     Sampling,
     Scheduler,
     ThroughputMeter,
@@ -252,7 +252,7 @@ def test_each_job_takes_one_decode_step_per_token_after_the_prefill_token() -> N
         steps += 1
     assert steps + 1 == 9  # 1 token from prefill, 9 from decode
     assert s.used_tokens == 0 and s.reserved_tokens == 0 and s.num_running == 0
-    assert job.state is JobState.DONE
+    assert job.state is RequestState.DONE
 
 
 def test_admission_reserves_prompt_plus_max_new_tokens_fcfs() -> None:
@@ -355,7 +355,7 @@ def test_abort_frees_kv_wherever_the_job_is() -> None:
     s.decode_step()
     s.abort(waiting)
     s.abort(running)
-    assert waiting.state is running.state is JobState.ABORTED
+    assert waiting.state is running.state is RequestState.ABORTED
     assert s.num_waiting == 0 and s.num_running == 1 and s.reserved_tokens == 500
     finished = drain(s)
     assert len(finished) == 1 and s.used_tokens == 0 and s.reserved_tokens == 0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglegen.config import load_settings, parse_servers
+from eaglegen.cli.base import load_settings, parse_servers
 from eaglegen.stack import check_flower_exposure, socket_url, write_stack_file
 
 

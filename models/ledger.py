@@ -1,4 +1,4 @@
-"""Token budgets: parsing user amounts and the worst-case arithmetic. Pure, no I/O."""
+"""The budget ledger's arithmetic and token amounts (parse, format). Pure, no I/O."""
 
 from __future__ import annotations
 

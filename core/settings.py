@@ -1,12 +1,19 @@
-"""The one validated settings object: environment (prefix ``EAGLEGEN_``) overridden by flags."""
+"""The one validated settings object: environment (prefix ``EAGLEGEN_``) overridden by flags.
+
+The service URLs are optional here (a command may need none of them); the command line
+resolves them once into ``Services``, which is what everything below it is handed.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from core.urls import normalize_database_url, redact
 
 
 class ServerSpec(BaseModel):
@@ -55,6 +62,16 @@ class Settings(BaseSettings):
     retry_cap_s: float = Field(default=60.0, ge=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 
+    def services(self) -> Services:
+        """The database and broker, or a ValueError saying how to provide them."""
+        if self.database_url is None or self.broker_url is None:
+            raise ValueError(
+                "no database/broker configured: run `eaglegen up` first, or set "
+                "EAGLEGEN_DATABASE_URL and EAGLEGEN_BROKER_URL "
+                "(or pass --database-url/--broker-url)"
+            )
+        return Services(self.database_url, self.broker_url)
+
     @field_validator("database_url")
     @classmethod
     def _database_scheme(cls, value: str | None) -> str | None:
@@ -68,18 +85,9 @@ class Settings(BaseSettings):
         return value
 
 
-def normalize_database_url(url: str) -> str:
-    """Point any Postgres URL at the psycopg 3 driver; reject other databases."""
-    scheme = urlsplit(url).scheme
-    if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
-        return "postgresql+psycopg" + url[len(scheme) :]
-    raise ValueError(f"database url must be postgresql://, got {redact(url)}")
+@dataclass(frozen=True)
+class Services:
+    """The Postgres and Redis a command works with, both known: resolved once, at the edge."""
 
-
-def redact(url: str) -> str:
-    """The URL with any password replaced, for logs and --json output."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    database_url: str
+    broker_url: str

@@ -1,0 +1,85 @@
+"""Redis as the transport: publish job messages (``core.wire``) and read the queue back."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import redis
+
+from core import wire
+
+SCAN_CHUNK = 5000
+
+
+class Publisher:
+    """Publishes job messages onto one queue; many with one LPUSH per batch."""
+
+    def __init__(self, broker_url: str, queue: str) -> None:
+        self.queue = queue
+        self._envelope = wire.EnvelopeFactory(queue, f"{socket.gethostname()}:{os.getpid()}")
+        self._client = redis.Redis.from_url(broker_url)
+
+    def publish(self, job_ids: Sequence[int]) -> int:
+        """Publish one message per id, in order (workers pop the oldest first)."""
+        return self._push([self._envelope(i).encode() for i in job_ids])
+
+    def publish_later(
+        self, job_id: int, *, countdown: float, retries: int, task_id: str | None = None
+    ) -> None:
+        """Send a job back after an attempt, to run in ``countdown`` seconds."""
+        message = self._envelope.later(
+            job_id, countdown=countdown, retries=retries, task_id=task_id
+        )
+        self._push([message.encode()])
+
+    def _push(self, messages: list[bytes]) -> int:
+        if not messages:
+            return 0
+        # One packed LPUSH sent on redis-py's own connection with its retry policy: redis-py
+        # would pack the batch argument by argument (see wire.lpush_command).
+        command = wire.lpush_command(self.queue, messages)
+        pool = self._client.connection_pool
+        connection: Any = pool.get_connection()  # redis-py leaves these methods untyped
+
+        def send() -> None:
+            connection.send_packed_command([command])  # a list: bytes would be iterated
+            connection.read_response()
+
+        try:
+            # A push repeated after a lost reply only duplicates messages: hints (DESIGN §2).
+            connection.retry.call_with_retry(send, lambda _error: connection.disconnect())
+        except BaseException:
+            connection.disconnect()  # part of the command may be on the wire: start afresh
+            raise
+        finally:
+            pool.release(connection)
+        return len(messages)
+
+    def close(self) -> None:
+        """Release the connection."""
+        self._client.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def waiting_job_ids(client: redis.Redis, queue: str) -> set[int]:
+    """Job ids of every message waiting in ``queue`` (not those a worker already holds)."""
+    return {
+        job_id
+        for raw in _queue_messages(client, queue)
+        if (job_id := wire.job_id_of(raw)) is not None
+    }
+
+
+def _queue_messages(client: redis.Redis, queue: str) -> Iterator[Any]:
+    start = 0
+    while chunk := client.lrange(queue, start, start + SCAN_CHUNK - 1):
+        yield from chunk
+        start += SCAN_CHUNK

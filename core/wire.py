@@ -1,0 +1,187 @@
+"""The one message format: a Celery task message in kombu's Redis envelope, built and parsed.
+
+A message is ``generate(job_id=N)``: Celery's task-message protocol 2, JSON-serialized, in
+the envelope kombu's Redis transport LPUSHes onto the queue list. It is a hint, never the
+truth (DESIGN §2): Postgres decides whether the job runs.
+
+Every path that publishes (the producer, retries and deferrals, the release at shutdown,
+the reconciler, a raised budget) goes through ``envelope``/``EnvelopeFactory``, and every
+path that reads the queue list back goes through ``job_id_of``. Tests pin both directions
+to Celery's own ``send_task`` and kombu's own decoding.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+TASK_GENERATE = "eaglegen.generate"
+_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+_EMBED_JSON = json.dumps(_EMBED).encode()
+
+
+def body(job_id: int) -> bytes:
+    """The task body: ``(args, kwargs, embed)`` as Celery's JSON serializer writes it."""
+    return b'[[], {"job_id": %d}, ' % int(job_id) + _EMBED_JSON + b"]"
+
+
+def envelope(
+    job_id: int,
+    *,
+    queue: str,
+    origin: str,
+    task_id: str,
+    delivery_tag: str,
+    countdown: float | None = None,
+    retries: int = 0,
+) -> dict[str, Any]:
+    """The envelope of ``generate(job_id)`` as a dict: the readable definition of the format.
+
+    ``countdown``: the worker holds the message that long before running it (Celery's
+    ``eta``); ``retries``: how many times this job was sent back (the task's
+    ``request.retries``).
+    """
+    job_id = int(job_id)
+    eta = None
+    if countdown is not None:
+        eta = (datetime.now(UTC) + timedelta(seconds=countdown)).isoformat()
+    return {
+        "body": base64.b64encode(body(job_id)).decode(),
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {
+            "lang": "py",
+            "task": TASK_GENERATE,
+            "id": task_id,
+            "shadow": None,
+            "eta": eta,
+            "expires": None,
+            "group": None,
+            "group_index": None,
+            "retries": retries,
+            "timelimit": [None, None],
+            "root_id": task_id,
+            "parent_id": None,
+            "argsrepr": "()",
+            "kwargsrepr": f"{{'job_id': {job_id}}}",
+            "origin": origin,
+            "ignore_result": None,
+            "replaced_task_nesting": 0,
+            "stamped_headers": None,
+            "stamps": {},
+        },
+        "properties": {
+            "correlation_id": task_id,
+            "reply_to": "",
+            "delivery_mode": 2,
+            "delivery_info": {"exchange": "", "routing_key": queue},
+            "priority": 0,
+            "body_encoding": "base64",
+            "delivery_tag": delivery_tag,
+        },
+    }
+
+
+# Placeholders in the factory's template, each replaced per message.
+_ID, _KWARGS, _BODY, _TAG = _SLOTS = ("\x01id\x01", "\x01kw\x01", "\x01body\x01", "\x01tag\x01")
+
+
+class EnvelopeFactory:
+    """Renders envelopes (as the JSON string kombu would LPUSH) for one queue and origin.
+
+    A plain message (no countdown, first send) is the producer's hot path: it is joined from
+    a template serialized once instead of dumping a dict per message (BENCHMARKS.md,
+    "Publishing"); a test pins the two renderings to each other.
+    """
+
+    def __init__(self, queue: str, origin: str) -> None:
+        self.queue = queue
+        self.origin = origin
+        proto = envelope(0, queue=queue, origin=origin, task_id=_ID, delivery_tag=_TAG)
+        proto["body"] = _BODY
+        proto["headers"]["kwargsrepr"] = _KWARGS
+        template = json.dumps(proto)
+        marks = {json.dumps(slot)[1:-1]: index for index, slot in enumerate(_SLOTS)}
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", template)
+        self._literals = pieces[0::2]
+        self._order = [marks[mark] for mark in pieces[1::2]]
+        # Task ids and delivery tags must be unique per message (kombu keys a worker's
+        # unacked messages by the tag): a random prefix per factory and a counter make them
+        # so, in UUID shape, without two uuid4() calls a message.
+        self._id_prefix = str(uuid.uuid4())[:24]
+        self._tag_prefix = str(uuid.uuid4())[:24]
+        self._serial = itertools.count()
+
+    def __call__(self, job_id: int) -> str:
+        """The JSON string kombu's Redis transport would LPUSH for ``generate(job_id)``."""
+        job_id = int(job_id)  # never anything but digits inside the template
+        serial = self._next_serial()
+        values = (
+            self._id_prefix + serial,
+            f"{{'job_id': {job_id}}}",
+            base64.b64encode(body(job_id)).decode(),
+            self._tag_prefix + serial,
+        )
+        literals = self._literals
+        out = [literals[0]]
+        for i, slot in enumerate(self._order, 1):
+            out.append(values[slot])
+            out.append(literals[i])
+        return "".join(out)
+
+    def later(
+        self, job_id: int, *, countdown: float, retries: int, task_id: str | None = None
+    ) -> str:
+        """A job sent back after an attempt: run after ``countdown`` s, ``retries`` so far.
+
+        ``task_id``: the id of the message it replaces, so that Flower follows one task
+        through its retries as it does for Celery's own ``Task.retry``.
+        """
+        serial = self._next_serial()
+        return json.dumps(
+            envelope(
+                job_id,
+                queue=self.queue,
+                origin=self.origin,
+                task_id=task_id or self._id_prefix + serial,
+                delivery_tag=self._tag_prefix + serial,
+                countdown=countdown,
+                retries=retries,
+            )
+        )
+
+    def _next_serial(self) -> str:
+        return f"{next(self._serial):012x}"
+
+
+def job_id_of(raw: bytes | str) -> int | None:
+    """The job id inside one envelope read back from the queue list, None if it is not ours."""
+    try:
+        message = json.loads(raw)
+        if message["headers"]["task"] != TASK_GENERATE:
+            return None
+        _args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+        return int(kwargs["job_id"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def lpush_command(key: str, values: Sequence[bytes]) -> bytes:
+    """``LPUSH key values...`` in the Redis protocol (RESP).
+
+    redis-py packs a command argument by argument in Python, which for a batch of envelopes
+    cost several times this one join (BENCHMARKS.md, "Publishing").
+    """
+    name = key.encode()
+    parts = [b"*%d\r\n$5\r\nLPUSH\r\n$%d\r\n%s\r\n" % (len(values) + 2, len(name), name)]
+    for value in values:
+        parts.append(b"$%d\r\n" % len(value))
+        parts.append(value)
+        parts.append(b"\r\n")
+    return b"".join(parts)

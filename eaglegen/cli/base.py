@@ -1,0 +1,136 @@
+"""What every command shares: its options, its settings, its services and its errors.
+
+A command module registers its functions with ``command``, which turns the project's
+foreseeable errors (``ValueError``: bad input, an unusable service, a refused change, a
+setting out of range; ``OSError``: a file) into one line ``error: …`` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.markup import escape
+
+from core.settings import ServerSpec, Services, Settings
+from eaglegen.stack import read_stack_file
+
+if TYPE_CHECKING:
+    from models.repository import Repository
+
+err = Console(stderr=True)
+
+DatabaseUrl = Annotated[
+    str | None, typer.Option(envvar="EAGLEGEN_DATABASE_URL", help="Postgres URL")
+]
+BrokerUrl = Annotated[str | None, typer.Option(envvar="EAGLEGEN_BROKER_URL", help="Redis URL")]
+DataDir = Annotated[Path | None, typer.Option(envvar="EAGLEGEN_DATA_DIR", help="Data directory")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def command(group: typer.Typer, name: str | None = None, **options: Any) -> Callable[[F], F]:
+    """Register ``fn`` as a command of ``group`` whose foreseeable errors are one line."""
+
+    def register(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (ValueError, OSError) as exc:  # ValidationError is a ValueError
+                fail(one_line(exc))
+
+        group.command(name, **options)(run)
+        return fn
+
+    return register
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (pydantic lists each invalid setting on its own)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+    return " ".join(str(exc).split("\n")).strip() or type(exc).__name__
+
+
+def fail(message: str) -> NoReturn:
+    """Print an error naming what went wrong and exit 2."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def emit_json(document: Any) -> None:
+    """One JSON document on stdout."""
+    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+
+
+def load_settings(**flags: Any) -> Settings:
+    """Settings from the environment with every flag that was given (not None) on top, and
+    the services of `eaglegen up` where neither names one."""
+    given = {k: v for k, v in flags.items() if v is not None and v != []}
+    settings = Settings(**given)
+    stack = read_stack_file(settings.data_dir) or {}
+    updates: dict[str, Any] = {}
+    if settings.database_url is None and stack.get("database_url"):
+        updates["database_url"] = stack["database_url"]
+    if settings.broker_url is None and stack.get("broker_url"):
+        updates["broker_url"] = stack["broker_url"]
+    return Settings(**{**given, **updates}) if updates else settings
+
+
+def parse_servers(values: list[str]) -> list[ServerSpec]:
+    """``--server URL`` or ``--server NAME=URL`` flags as server specs."""
+    servers = []
+    for index, value in enumerate(values):
+        name, sep, url = value.partition("=")
+        if not sep:
+            name, url = f"server{index}", value
+        servers.append(ServerSpec(name=name, url=url))
+    return servers
+
+
+def services(settings: Settings, *, check_database: bool = True) -> Services:
+    """Postgres and Redis, once both proved usable (ValueError saying what to do if not)."""
+    from eaglegen import preflight
+
+    resolved = settings.services()
+    if check_database:
+        preflight.check_database(resolved.database_url)
+    preflight.check_broker(resolved.broker_url)
+    return resolved
+
+
+def database(settings: Settings) -> str:
+    """The Postgres URL, once it proved usable, for commands that need no Redis."""
+    from eaglegen import preflight
+
+    if settings.database_url is None:
+        raise ValueError(
+            "no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up`"
+        )
+    preflight.check_database(settings.database_url)
+    return settings.database_url
+
+
+@contextmanager
+def repository(database_url: str) -> Iterator[Repository]:
+    """A repository on one pooled connection, disposed of afterwards."""
+    from models.db import make_engine
+    from models.repository import Repository
+
+    engine = make_engine(database_url, pool_size=1)
+    try:
+        yield Repository(engine)
+    finally:
+        engine.dispose()

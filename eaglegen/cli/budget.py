@@ -1,0 +1,74 @@
+"""`eaglegen budget`: per-dataset token budgets, live."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from eaglegen.cli.base import (
+    BrokerUrl,
+    DatabaseUrl,
+    DataDir,
+    JsonFlag,
+    command,
+    database,
+    emit_json,
+    err,
+    load_settings,
+    repository,
+    services,
+)
+
+app = typer.Typer(no_args_is_help=True, help="Per-dataset token budgets, live.")
+
+
+@command(app, "show")
+def show(
+    run: Annotated[str | None, typer.Option(help="Only this run")] = None,
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Budget, used and reserved tokens, and skipped jobs per dataset."""
+    from eaglegen.report.budgets import budget_table
+
+    settings = load_settings(database_url=database_url, data_dir=data_dir)
+    with repository(database(settings)) as repo:
+        rows = repo.budgets(run)
+    if json_out:
+        emit_json({"datasets": [asdict(r) for r in rows]})
+    else:
+        Console().print(budget_table(rows))
+
+
+@command(app, "set")
+def set_budget(
+    dataset: Annotated[str, typer.Argument(help="Dataset name")],
+    amount: Annotated[str, typer.Argument(help="10M, 500k, 1200000 or unlimited")],
+    run: Annotated[str | None, typer.Option(help="Run (needed when names repeat)")] = None,
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    broker_url: BrokerUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Change a budget; raising it re-queues and publishes the jobs it had skipped."""
+    from core.broker import Publisher
+    from models.ledger import format_tokens, parse_tokens
+
+    settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
+    budget = parse_tokens(amount)
+    live = services(settings)
+    with repository(live.database_url) as repo:
+        requeued = repo.set_budget(run, dataset, budget)
+    with Publisher(live.broker_url, settings.queue) as publisher:
+        publisher.publish(requeued)
+    if json_out:
+        emit_json({"dataset": dataset, "budget_tokens": budget, "requeued": len(requeued)})
+    else:
+        err.print(
+            f"{dataset}: budget {format_tokens(budget)}; {len(requeued)} skipped job(s) "
+            "queued again"
+        )

@@ -1,0 +1,140 @@
+"""`eaglegen enqueue`: template a run's datasets and store one job per prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.markup import escape
+
+from core.settings import Services, Settings
+from eaglegen.cli.base import (
+    BrokerUrl,
+    DatabaseUrl,
+    DataDir,
+    JsonFlag,
+    command,
+    emit_json,
+    err,
+    load_settings,
+    services,
+)
+
+if TYPE_CHECKING:
+    from producer.enqueue import RunReport
+    from producer.plan import RunPlan
+
+app = typer.Typer()
+
+
+@command(app)
+def enqueue(
+    source: Annotated[Path, typer.Argument(help="A run file (RUN.toml) or one dataset file")],
+    run: Annotated[str | None, typer.Option(help="Run name (without a run file)")] = None,
+    dataset: Annotated[str | None, typer.Option(help="Dataset name (without a run file)")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder")] = None,
+    fmt: Annotated[
+        str | None, typer.Option("--format", help="jsonl, json, parquet or hf (default: detect)")
+    ] = None,
+    max_context_len: Annotated[int | None, typer.Option(min=2, help="Reject longer")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 4096,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.95,
+    budget: Annotated[str | None, typer.Option(help="Token budget: 10M, 500k, unlimited")] = None,
+    budget_basis: Annotated[str, typer.Option(help="completion or total")] = "completion",
+    limit: Annotated[int | None, typer.Option(min=1, help="Take at most N rows")] = None,
+    sample_seed: Annotated[int | None, typer.Option(help="With --limit: seeded sample")] = None,
+    template_kwarg: Annotated[
+        list[str], typer.Option(help="Chat template kwarg NAME=JSON, e.g. thinking=true")
+    ] = [],  # noqa: B006
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow tokenizer code")] = False,
+    model: Annotated[str | None, typer.Option(help="Model name recorded on the run")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Read and template only; write nothing")] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Processes that template rows; 0: all in this one "
+            "(default: one per core, for inputs long enough to repay starting them)",
+        ),
+    ] = None,
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    broker_url: BrokerUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Template every row with the model's chat template and enqueue one job per prompt."""
+    from eaglegen.report.enqueue import enqueue_table
+    from producer.plan import plan_from_flags, plan_from_run_file
+    from producer.readers import detect_format
+    from producer.runfile import load_run_file
+
+    settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
+    if source.suffix == ".toml":
+        if run or dataset or tokenizer:
+            raise ValueError(
+                f"{source}: a run file names the run, datasets and tokenizer; "
+                "drop --run/--dataset/--tokenizer"
+            )
+        plan = plan_from_run_file(load_run_file(source))
+    else:
+        plan = plan_from_flags(
+            source,
+            run=run,
+            dataset=dataset,
+            tokenizer=tokenizer,
+            fmt=fmt,
+            max_context_len=max_context_len,
+            budget=budget,
+            budget_basis=budget_basis,
+            limit=limit,
+            sample_seed=sample_seed,
+            template_kwargs=template_kwarg,
+            trust_remote_code=trust_remote_code,
+            model=model,
+            sampling={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p},
+        )
+    for dataset_plan in plan.datasets:  # a bad input is the first thing to hear about
+        detect_format(dataset_plan.path, dataset_plan.fmt)
+    target = None if dry_run else services(settings)
+    report = _enqueue_or_explain(settings, target, plan, workers)
+    if json_out:
+        emit_json(report.as_dict())
+    else:
+        err.print(enqueue_table(report))
+    for warning in report.warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+
+
+def _enqueue_or_explain(
+    settings: Settings, target: Services | None, plan: RunPlan, workers: int | None
+) -> RunReport:
+    """Run the enqueue; a service lost mid-run is one sentence saying how to finish the job."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    import redis
+    from sqlalchemy.exc import OperationalError
+
+    from core.urls import redact
+    from producer.commands import run_enqueue
+
+    try:
+        return run_enqueue(settings, target, plan, workers=workers)
+    except BrokenProcessPool as exc:
+        raise ValueError(
+            "a template worker process died (killed, or out of memory?). What was stored "
+            "stays; run the same enqueue again, with --workers 0 to template in one process"
+        ) from exc
+    except (OperationalError, redis.ConnectionError) as exc:
+        assert target is not None  # a dry run touches no service
+        postgres = isinstance(exc, OperationalError)
+        service, url = (
+            ("Postgres", target.database_url) if postgres else ("Redis", target.broker_url)
+        )
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0].rstrip(".")
+        raise ValueError(
+            f"lost {service} at {redact(url)} mid-run: {reason}. What was stored stays; run "
+            "the same enqueue again to add the rest, then `eaglegen reconcile` to publish "
+            "jobs stored but not yet published"
+        ) from exc

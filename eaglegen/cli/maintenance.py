@@ -1,0 +1,80 @@
+"""`eaglegen reconcile` and `eaglegen audit`: repair Redis from Postgres, check invariants."""
+
+from __future__ import annotations
+
+import typer
+
+from eaglegen.cli.base import (
+    BrokerUrl,
+    DatabaseUrl,
+    DataDir,
+    JsonFlag,
+    command,
+    database,
+    emit_json,
+    err,
+    load_settings,
+    repository,
+    services,
+)
+
+app = typer.Typer()
+
+
+@command(app)
+def reconcile(
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    broker_url: BrokerUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Re-queue jobs of dead workers and publish queued jobs missing from Redis."""
+    import redis
+
+    from core.broker import Publisher
+    from worker.reconcile import reconcile as run_reconcile
+
+    settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
+    live = services(settings)
+    with (
+        repository(live.database_url) as repo,
+        redis.Redis.from_url(live.broker_url) as client,
+        Publisher(live.broker_url, settings.queue) as publisher,
+    ):
+        report = run_reconcile(
+            repo,
+            client,
+            publisher,
+            max_attempts=settings.max_attempts,
+            republish_after_s=settings.republish_after_s,
+        )
+    if json_out:
+        emit_json(report.as_dict())
+    else:
+        err.print(
+            f"re-queued {report.expired_leases} job(s) with expired leases, published "
+            f"{report.republished} missing message(s)"
+        )
+
+
+@command(app)
+def audit(
+    json_out: JsonFlag = False,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Check the invariants on a live database; exit 1 naming any violation."""
+    from eaglegen.report.audit import audit_document, audit_lines
+
+    settings = load_settings(database_url=database_url, data_dir=data_dir)
+    with repository(database(settings)) as repo:
+        # A lease may lapse for up to one reconciler interval before it is noticed.
+        problems = repo.audit(lease_grace_s=2 * settings.reconcile_interval_s)
+        overshoot = repo.max_overshoot()
+    if json_out:
+        emit_json(audit_document(problems, overshoot))
+    else:
+        for line in audit_lines(problems, overshoot):
+            err.print(line, highlight=False)
+    if problems:
+        raise typer.Exit(1)

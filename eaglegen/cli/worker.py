@@ -1,0 +1,71 @@
+"""`eaglegen worker`: run Celery workers that generate queued jobs, or check they live."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from eaglegen.cli.base import (
+    BrokerUrl,
+    DatabaseUrl,
+    DataDir,
+    command,
+    err,
+    load_settings,
+    parse_servers,
+    services,
+)
+
+app = typer.Typer()
+
+
+@command(app, context_settings={"allow_extra_args": False})
+def worker(
+    server: Annotated[
+        list[str],
+        typer.Option(
+            help="SGLang server URL or NAME=URL (repeat); default: EAGLEGEN_SERVERS, "
+            'a JSON list of {"name", "url", "numa_node"}'
+        ),
+    ] = [],  # noqa: B006
+    concurrency: Annotated[
+        int | None,
+        typer.Option(
+            min=1, envvar="EAGLEGEN_WORKER_CONCURRENCY", help="Threads (in-flight requests)"
+        ),
+    ] = None,
+    numa_node: Annotated[
+        str | None, typer.Option(help="Pin to NUMA node N, a list 0,1, or auto (one per node)")
+    ] = None,
+    check: Annotated[
+        bool, typer.Option("--check", help="Exit 0 if this host's workers are alive, else 1")
+    ] = False,
+    database_url: DatabaseUrl = None,
+    broker_url: BrokerUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Run a Celery worker (threads pool) that generates queued jobs."""
+    import socket
+
+    from worker.commands import alive_workers, run_worker
+
+    settings = load_settings(
+        database_url=database_url,
+        broker_url=broker_url,
+        data_dir=data_dir,
+        worker_concurrency=concurrency,
+        servers=parse_servers(server) if server else None,
+    )
+    live = services(settings, check_database=not check)  # --check reads heartbeats only
+    if check:
+        host = socket.gethostname()
+        alive = alive_workers(live.broker_url, host, 3 * settings.heartbeat_interval_s)
+        err.print(f"{len(alive)} live worker process(es) on {host}")
+        raise typer.Exit(0 if alive else 1)
+    if not settings.servers:
+        raise ValueError("no SGLang servers: pass --server URL or set EAGLEGEN_SERVERS")
+    passthrough = [f"--server={s}" for s in server]
+    if concurrency is not None:
+        passthrough.append(f"--concurrency={concurrency}")
+    raise typer.Exit(run_worker(settings, live, numa_node, passthrough))

@@ -1,0 +1,40 @@
+"""The summary of an enqueue (`eaglegen enqueue`) as a table: one row per dataset."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from models.ledger import format_tokens
+from producer.enqueue import RunReport
+
+
+def enqueue_table(report: RunReport) -> Table:
+    """The human summary of an enqueue: one row per dataset."""
+    title = f"{'dry run of ' if report.dry_run else ''}enqueue into run {report.run!r}"
+    table = Table(title=title)
+    for column in (
+        "dataset",
+        "rows",
+        "accepted",
+        "rejected",
+        "duplicates",
+        "prompt p50/p99/max",
+        "worst case",
+        "budget",
+    ):
+        table.add_column(column, justify="left" if column == "dataset" else "right")
+    for stats in report.datasets:
+        doc = stats.as_dict()
+        pt = doc["prompt_tokens"]
+        reasons = ", ".join(f"{k} {v}" for k, v in doc["rejected_by_reason"].items())
+        table.add_row(
+            stats.dataset,
+            f"{doc['rows']:,}",
+            f"{doc['accepted']:,}",
+            f"{doc['rejected']:,}" + (f" ({reasons})" if reasons else ""),
+            f"{doc['duplicates']:,}",
+            f"{pt['p50']}/{pt['p99']}/{pt['max']}",
+            format_tokens(doc["worst_case_tokens"]),
+            format_tokens(doc["budget_tokens"]),
+        )
+    return table
