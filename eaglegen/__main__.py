@@ -1,8 +1,8 @@
 """``python -m eaglegen`` and the ``eaglegen`` console script.
 
 The CLI is imported inside ``main``, not here: multiprocessing runs the main script again in
-each template worker process, and a top-level import of the CLI there cost every worker
-~20 MB of memory it never uses.
+each template worker process, and a top-level import of the CLI there would cost every
+worker memory it never uses (BENCHMARKS.md, "Memory").
 """
 
 

@@ -3,7 +3,7 @@
 A worker forked from the server shares the server's memory pages until it writes to them,
 and a garbage-collection pass in the worker writes to every object it traverses: without
 this, each worker's collections copied pages of what the server had imported (transformers,
-the main script's imports): ~10 MB per worker, measured. Frozen objects are never traversed
+the main script's imports; BENCHMARKS.md, "Memory"). Frozen objects are never traversed
 (the `gc.freeze` documentation recommends it before forking).
 """
 

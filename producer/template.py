@@ -165,7 +165,7 @@ class Templater:
         if self._backend is not None:
             # The Rust tokenizer directly: transformers' per-encoding conversion to
             # Python dicts cost as much as the tokenization. The fast variant skips the
-            # character offsets (same ids, ~15% less CPU); older tokenizers lack it.
+            # character offsets (same ids, less CPU); older tokenizers lack it.
             encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
             return [e.ids for e in encode(list(texts), add_special_tokens=False)]
         encoded = self.tokenizer(list(texts), add_special_tokens=False)
@@ -221,7 +221,7 @@ class _DirectRenderer:
     under their other names, then render the compiled template with these arguments. Rows
     from `producer.rows` are plain JSON without None values, so for a conversation without
     reasoning fields the first three steps change nothing, and this renders the compiled
-    template directly: 14 instead of 25 us for a short prompt. One with reasoning fields
+    template directly (BENCHMARKS.md, "Render"). One with reasoning fields
     goes through transformers' render_jinja_template. The Templater checks at load time
     that this renders as apply_chat_template does, and uses that where it does not.
     """

@@ -4,7 +4,7 @@ Revision ID: 0004
 Revises: 0003
 Create Date: 2026-11-29
 
-Both make the producer's insert cheaper (measured: ~1.8 us of server CPU a job each): the
+Both make the producer's insert cheaper (BENCHMARKS.md, "Insert"): the
 unique index (dataset_id, prompt_sha256) compares 32 bytes instead of 64 characters under
 the database's collation, and json is stored as written where jsonb parses and converts.
 """
