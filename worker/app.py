@@ -116,6 +116,9 @@ def start(
     loglevel: str = "INFO",
 ) -> None:
     """Run a worker in this process until SIGTERM/SIGINT, then shut down with a grace period."""
+    # httpx logs every request at INFO: hundreds of lines a second from a busy worker.
+    quiet = logging.getLevelName(loglevel.upper()) != logging.DEBUG
+    logging.getLogger("httpx").setLevel(logging.WARNING if quiet else logging.DEBUG)
     app, holder = create_worker_app(settings, services, servers)
     ctx = holder.get()
     name = nodename()

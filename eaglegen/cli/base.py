@@ -2,7 +2,8 @@
 
 A command module registers its functions with ``command``, which turns the project's
 foreseeable errors (``ValueError``: bad input, an unusable service, a refused change, a
-setting out of range; ``OSError``: a file) into one line ``error: …`` and exit code 2.
+setting out of range; ``OSError``: a file; ``MissingExtraError``: the embedded services
+not installed) into one line ``error: …`` and exit code 2.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from core.settings import ServerSpec, Services, Settings
-from eaglegen.stack import read_stack_file
+from eaglegen.stack import MissingExtraError, read_stack_file
 
 if TYPE_CHECKING:
     from models.repository import Repository
@@ -36,6 +37,8 @@ DataDir = Annotated[Path | None, typer.Option(envvar="EAGLEGEN_DATA_DIR", help="
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 
 F = TypeVar("F", bound=Callable[..., Any])
+# pydantic's ValidationError and the project's InputError and ServiceError are ValueErrors.
+FORESEEABLE = (ValueError, OSError, MissingExtraError)
 
 
 def command(group: typer.Typer, name: str | None = None, **options: Any) -> Callable[[F], F]:
@@ -46,7 +49,7 @@ def command(group: typer.Typer, name: str | None = None, **options: Any) -> Call
         def run(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
-            except (ValueError, OSError) as exc:  # ValidationError is a ValueError
+            except FORESEEABLE as exc:
                 fail(one_line(exc))
 
         group.command(name, **options)(run)

