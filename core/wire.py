@@ -44,12 +44,12 @@ def envelope(
     """The envelope of ``generate(job_id)`` as a dict: the readable definition of the format.
 
     ``countdown``: the worker holds the message that long before running it (Celery's
-    ``eta``); ``retries``: how many times this job was sent back (the task's
-    ``request.retries``).
+    ``eta``; none for 0, as Celery does); ``retries``: how many times this job was sent back
+    (the task's ``request.retries``).
     """
     job_id = int(job_id)
     eta = None
-    if countdown is not None:
+    if countdown:
         eta = (datetime.now(UTC) + timedelta(seconds=countdown)).isoformat()
     return {
         "body": base64.b64encode(body(job_id)).decode(),

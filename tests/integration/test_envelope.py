@@ -8,6 +8,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
 import redis
 from kombu import Connection
 
@@ -51,16 +52,20 @@ def test_envelope_matches_send_task(broker_url: str) -> None:
     assert headers["eta"] is None and celery_message["headers"]["eta"] is None
 
 
+@pytest.mark.parametrize("countdown", [30, 0.5, 0])
 def test_a_message_sent_back_matches_send_task_with_countdown_and_retries(
-    broker_url: str,
+    broker_url: str, countdown: float
 ) -> None:
-    celery_message = celery_sends(broker_url, "q", countdown=30, retries=3)
-    ours = json.loads(wire.EnvelopeFactory("q", "h:1").later(42, countdown=30, retries=3))
+    celery_message = celery_sends(broker_url, "q", countdown=countdown, retries=3)
+    ours = json.loads(wire.EnvelopeFactory("q", "h:1").later(42, countdown=countdown, retries=3))
     assert strip(ours) == strip(celery_message)
     assert ours["headers"]["retries"] == 3
     for message in (ours, celery_message):
+        if not countdown:
+            assert message["headers"]["eta"] is None
+            continue
         eta = datetime.fromisoformat(message["headers"]["eta"])
-        assert abs((eta - datetime.now(UTC)).total_seconds() - 30) < 5
+        assert abs((eta - datetime.now(UTC)).total_seconds() - countdown) < 5
 
 
 def test_a_message_sent_back_keeps_its_task_id() -> None:
