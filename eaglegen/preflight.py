@@ -22,8 +22,9 @@ class ServiceError(ValueError):
     """A service that cannot be used as it is; the message says what to do."""
 
 
-def check_database(url: str) -> None:
-    """Raise ServiceError unless Postgres answers and its schema is at this eaglegen's head."""
+def check_database(url: str, *, schema: bool = True) -> None:
+    """Raise ServiceError unless Postgres answers and (``schema``) its schema is at this
+    eaglegen's head."""
     script = ScriptDirectory.from_config(alembic_config(url))
     known = {revision.revision for revision in script.walk_revisions()}
     engine = create_engine(
@@ -36,7 +37,7 @@ def check_database(url: str) -> None:
         raise ServiceError(f"cannot use Postgres at {redact(url)}: {_first_line(exc)}") from exc
     finally:
         engine.dispose()
-    problem = schema_problem(current, set(script.get_heads()), known)
+    problem = schema_problem(current, set(script.get_heads()), known) if schema else None
     if problem is not None:
         raise ServiceError(f"Postgres at {redact(url)}: {problem}")
 

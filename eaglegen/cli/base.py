@@ -114,15 +114,18 @@ def services(settings: Settings, *, check_database: bool = True) -> Services:
     return resolved
 
 
-def database(settings: Settings) -> str:
-    """The Postgres URL, once it proved usable, for commands that need no Redis."""
+def database(settings: Settings, *, check_schema: bool = True) -> str:
+    """The Postgres URL of a command that needs no Redis, once it proved usable.
+
+    ``check_schema``: that its schema is this eaglegen's too (not for `db upgrade`).
+    """
     from eaglegen import preflight
 
     if settings.database_url is None:
         raise ValueError(
             "no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up`"
         )
-    preflight.check_database(settings.database_url)
+    preflight.check_database(settings.database_url, schema=check_schema)
     return settings.database_url
 
 

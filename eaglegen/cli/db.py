@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from eaglegen.cli.base import DatabaseUrl, DataDir, command, err, load_settings
+from eaglegen.cli.base import DatabaseUrl, DataDir, command, database, err, load_settings
 
 app = typer.Typer(no_args_is_help=True, help="Database schema.")
 
@@ -15,9 +15,5 @@ def upgrade(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
     from models.db import upgrade as migrate
 
     settings = load_settings(database_url=database_url, data_dir=data_dir)
-    if settings.database_url is None:
-        raise ValueError(
-            "no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up`"
-        )
-    migrate(settings.database_url)
+    migrate(database(settings, check_schema=False))
     err.print("database schema is at the latest revision")

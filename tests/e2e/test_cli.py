@@ -248,3 +248,28 @@ def test_without_the_embedded_extra_the_error_is_one_line(command: str, tmp_path
     assert result.returncode == 2
     assert result.stderr.startswith("error: embedded Postgres needs the 'embedded' extra")
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_every_command_refuses_an_unusable_service_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        "EAGLEGEN_DATABASE_URL": f"postgresql://u:s3cret@127.0.0.1:{port}/db",
+        "EAGLEGEN_BROKER_URL": f"redis://:s3cret@127.0.0.1:{port}/0",
+        "EAGLEGEN_DATA_DIR": str(tmp_path),
+    }
+    for command in (["db", "upgrade"], ["status"], ["audit"], ["reconcile"], ["budget", "show"]):
+        result = eaglegen(*command, env={**env, "COLUMNS": "300"})
+        assert result.returncode == 2, (command, result.stderr)
+        assert result.stderr.startswith("error: cannot use "), (command, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, (command, result.stderr)
+        assert "s3cret" not in result.stderr
+
+
+def test_an_invalid_setting_is_one_line_naming_it(tmp_path: Path) -> None:
+    env = {"EAGLEGEN_BROKER_URL": "amqp://guest:pw@h//", "EAGLEGEN_DATA_DIR": str(tmp_path)}
+    result = eaglegen("status", env={**env, "COLUMNS": "300"})
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: broker_url: Value error, broker url must be")
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
