@@ -226,7 +226,8 @@ def stage_costs(path: Path, templater: Templater, database: str, broker: str) ->
         "tokenize (Rust, fast variant)", lambda: _batched(templater.encode_batch, texts)
     )
     jobs = clock.run(
-        "build jobs (pack, sha256, JSON)", lambda: _job_batches(rows, chats, texts, ids)
+        "build jobs (pack, sha256, JSON)",
+        lambda: _job_batches(templater, rows, chats, texts, ids),
     )
     engine = make_engine(database)
     repo = Repository(engine)
@@ -274,12 +275,17 @@ def _batched(fn: Callable[[Sequence[T]], list[U]], items: list[T]) -> list[U]:
 
 
 def _job_batches(
-    rows: list[RawRow], chats: list[Prompt], texts: list[str], ids: list[list[int]]
+    templater: Templater,
+    rows: list[RawRow],
+    chats: list[Prompt],
+    texts: list[str],
+    ids: list[list[int]],
 ) -> list[JobBatch]:
     """The jobs as the producer builds them, batch by batch."""
     rendered = list(zip(rows, chats, texts, strict=True))
+    opens = templater.opens_reasoning
     return [
-        build_jobs(Rendered(rendered[i : i + BATCH], []), ids[i : i + BATCH], None, 0).jobs
+        build_jobs(Rendered(rendered[i : i + BATCH], []), ids[i : i + BATCH], None, 0, opens).jobs
         for i in range(0, len(rendered), BATCH)
     ]
 

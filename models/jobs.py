@@ -141,7 +141,14 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
             lease_until=func.now() + timedelta(seconds=lease_seconds),
             updated_at=func.now(),
         )
-        .returning(Job.id, Job.dataset_id, Job.input_ids, Job.prompt_tokens, Job.attempts)
+        .returning(
+            Job.id,
+            Job.dataset_id,
+            Job.input_ids,
+            Job.prompt_tokens,
+            Job.attempts,
+            Job.opens_reasoning,
+        )
     ).one_or_none()
     if job is None:
         raise _Rollback("not_queued")
@@ -186,7 +193,7 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
             sampling_params=params,
             attempts=int(job.attempts),
             reserved_tokens=need,
-            think_end_id=ds.think_end_id,
+            think_end_id=ds.think_end_id if job.opens_reasoning else None,
         ),
     )
 

@@ -44,6 +44,7 @@ class NewJob:
     row_index: int
     input_ids: list[int]
     messages: Any
+    opens_reasoning: bool = False
     packed: bytes = field(init=False, repr=False)
     prompt_sha256: bytes = field(init=False)
 
@@ -72,6 +73,7 @@ class JobBatch:
     packed_ids: list[bytes] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     messages_json: list[str] = field(default_factory=list)
+    opens_reasoning: list[bool] = field(default_factory=list)
 
     @classmethod
     def of(cls, jobs: Iterable[NewJob]) -> JobBatch:
@@ -84,21 +86,31 @@ class JobBatch:
                 job.packed,
                 len(job.input_ids),
                 json.dumps(job.messages, ensure_ascii=False),
+                job.opens_reasoning,
             )
         return batch
 
-    def add(self, row_index: int, sha256: bytes, packed: bytes, tokens: int, messages: str) -> None:
+    def add(
+        self,
+        row_index: int,
+        sha256: bytes,
+        packed: bytes,
+        tokens: int,
+        messages: str,
+        opens_reasoning: bool,
+    ) -> None:
         """Append one job."""
         self.row_index.append(row_index)
         self.prompt_sha256.append(sha256)
         self.packed_ids.append(packed)
         self.prompt_tokens.append(tokens)
         self.messages_json.append(messages)
+        self.opens_reasoning.append(opens_reasoning)
 
     def __len__(self) -> int:
         return len(self.row_index)
 
-    def rows(self) -> Iterator[tuple[int, bytes, bytes, int, str]]:
+    def rows(self) -> Iterator[tuple[int, bytes, bytes, int, str, bool]]:
         """One tuple per job, in column order."""
         return zip(
             self.row_index,
@@ -106,6 +118,7 @@ class JobBatch:
             self.packed_ids,
             self.prompt_tokens,
             self.messages_json,
+            self.opens_reasoning,
             strict=True,
         )
 
@@ -129,6 +142,7 @@ class ClaimedJob:
     sampling_params: dict[str, Any]
     attempts: int
     reserved_tokens: int = 0
+    # The think-end id its output must hold: set when its prompt opens a reasoning block.
     think_end_id: int | None = None
 
 

@@ -7,7 +7,7 @@ from operator import itemgetter
 from typing import Any
 
 import psycopg
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import OperationalError
 
@@ -43,21 +43,23 @@ class DatasetMismatchError(ValueError):
 _CREATE_STAGE = """
     CREATE TEMP TABLE IF NOT EXISTS job_stage (
         row_index integer, prompt_sha256 bytea, input_ids bytea, prompt_tokens integer,
-        messages text
+        messages text, opens_reasoning boolean
     ) ON COMMIT DELETE ROWS
 """
 _COPY_STAGE = "COPY job_stage FROM STDIN (FORMAT BINARY)"
-_STAGE_TYPES = ("integer", "bytea", "bytea", "integer", "text")
+_STAGE_TYPES = ("integer", "bytea", "bytea", "integer", "text", "bool")
 _NEW_IDS = "SELECT nextval(pg_get_serial_sequence('jobs', 'id')) FROM generate_series(1, %s)"
 _COPY_JOBS = (
-    "COPY jobs (id, dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages)"
-    " FROM STDIN (FORMAT BINARY)"
+    "COPY jobs (id, dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages,"
+    " opens_reasoning) FROM STDIN (FORMAT BINARY)"
 )
 # The messages are JSON text already, and json's binary form is its text.
-_JOB_TYPES = ("bigint", "bigint", "integer", "bytea", "bytea", "integer", "text")
+_JOB_TYPES = ("bigint", "bigint", "integer", "bytea", "bytea", "integer", "text", "bool")
 _INSERT_STAGED = """
-    INSERT INTO jobs (dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages)
-    SELECT %s, row_index, prompt_sha256, input_ids, prompt_tokens, messages::json
+    INSERT INTO jobs (
+        dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages, opens_reasoning
+    )
+    SELECT %s, row_index, prompt_sha256, input_ids, prompt_tokens, messages::json, opens_reasoning
     FROM job_stage ORDER BY row_index
     ON CONFLICT (dataset_id, prompt_sha256) DO NOTHING
     RETURNING id
@@ -120,6 +122,16 @@ class Repository(JobQueries, BudgetQueries, AuditQueries):
                     think_end_id=spec.think_end_id,
                 )
                 .on_conflict_do_nothing(index_elements=[Run.name])
+            )
+            # A run created before think-end ids were recorded for every think pair (0005).
+            conn.execute(
+                update(Run)
+                .where(
+                    Run.name == spec.name,
+                    Run.think_end_id.is_(None),
+                    Run.tokenizer_sha256 == spec.tokenizer_sha256,
+                )
+                .values(think_end_id=spec.think_end_id)
             )
             row = conn.execute(
                 select(

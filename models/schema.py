@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Float,
@@ -16,6 +17,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     func,
 )
 from sqlalchemy.dialects.postgresql import BYTEA, JSON, JSONB
@@ -98,6 +100,8 @@ class Job(Base):
     # json, not jsonb: kept as written (for export), cheaper to insert, and able to hold
     # a NUL character; nothing queries inside it.
     messages: Mapped[Any] = mapped_column(JSON)
+    # The prompt leaves the model inside a reasoning block: its output must hold think-end.
+    opens_reasoning: Mapped[bool] = mapped_column(Boolean, server_default=false())
     state: Mapped[str] = mapped_column(String(16), server_default=JobState.QUEUED.value)
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     # Budget this job holds while running (its worst case), 0 otherwise.

@@ -6,6 +6,7 @@ Kept apart from `producer.enqueue` so worker processes import only what they run
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -80,7 +81,7 @@ def tokenize(
 ) -> Prepared:
     """Tokenize rendered prompts (the Rust tokenizer releases the GIL) and build the jobs."""
     encoded = templater.encode_batch([text for _, _, text in rendered.rows])
-    return build_jobs(rendered, encoded, max_context_len, max_new_tokens)
+    return build_jobs(rendered, encoded, max_context_len, max_new_tokens, templater.opens_reasoning)
 
 
 def build_jobs(
@@ -88,8 +89,13 @@ def build_jobs(
     encoded: list[list[int]],
     max_context_len: int | None,
     max_new_tokens: int,
+    opens_reasoning: Callable[[list[int]], bool],
 ) -> Prepared:
-    """The jobs of tokenized prompts; too long ones are rejected, repeats kept once."""
+    """The jobs of tokenized prompts; too long ones are rejected, repeats kept once.
+
+    ``opens_reasoning``: whether a prompt leaves the model inside a reasoning block
+    (`Templater.opens_reasoning`), stored with its job.
+    """
     rejections = list(rendered.rejections)
     jobs = JobBatch()
     seen: set[bytes] = set()
@@ -109,7 +115,7 @@ def build_jobs(
             rejections.append(Rejection(raw.index, err.reason, excerpt(raw, err)))
             continue
         seen.add(sha256)
-        jobs.add(raw.index, sha256, packed, len(input_ids), messages)
+        jobs.add(raw.index, sha256, packed, len(input_ids), messages, opens_reasoning(input_ids))
     return Prepared(jobs, rejections)
 
 

@@ -66,6 +66,8 @@ class Templater:
             self._direct = None
         # Slow (pure-Python or remote-code) tokenizers have no Rust backend.
         self._backend: Any = getattr(self.tokenizer, "backend_tokenizer", None)
+        self._think_pair = self._find_think_pair()
+        self._blank: dict[int, bool] = {}
 
     @property
     def renders_directly(self) -> bool:
@@ -172,18 +174,42 @@ class Templater:
         return [list(ids) for ids in encoded["input_ids"]]
 
     def think_end_id(self) -> int | None:
-        """The think-end id when the generation prompt opens a think block, else None.
+        """The think-end id of the tokenizer's think pair (None without one): what the
+        worker looks for in the output of a job whose prompt opens a reasoning block."""
+        return None if self._think_pair is None else self._think_pair[1]
 
-        Such a model never generates the think-start token (it is the prompt's last token)
-        and must emit think-end before its answer; workers record whether it did.
+    def opens_reasoning(self, input_ids: Sequence[int]) -> bool:
+        """Whether this prompt leaves the model inside a reasoning block.
+
+        True when its last token other than white space is the think-start token: the
+        template opened the block (``<think>`` or ``<think>\n``), so the model never
+        generates that token and must emit think-end before its answer. A prompt whose
+        template closed the block again (``<think></think>``, thinking off) or opened none
+        (e.g. after a tool turn) is not expected to.
         """
-        probe = Prompt(messages=[{"role": "user", "content": "hi"}])
-        ids = self.encode_batch([self.render(probe)])[0]
-        tokens = self.tokenizer.convert_ids_to_tokens(ids[-1:])
-        if not tokens or tokens[0] != THINK_START:
-            return None
-        end = self.tokenizer.convert_tokens_to_ids(THINK_END)
-        return int(end) if isinstance(end, int) and end != self.tokenizer.unk_token_id else None
+        if self._think_pair is None:
+            return False
+        for token in reversed(input_ids):
+            if not self._is_blank(token):
+                return token == self._think_pair[0]
+        return False
+
+    def _find_think_pair(self) -> tuple[int, int] | None:
+        """The ids of think-start and think-end, when each is one token of the vocabulary."""
+        start, end = (self._single_token(text) for text in (THINK_START, THINK_END))
+        return None if start is None or end is None else (start, end)
+
+    def _single_token(self, text: str) -> int | None:
+        ids = self.encode_batch([text])[0]
+        return ids[0] if len(ids) == 1 else None
+
+    def _is_blank(self, token: int) -> bool:
+        """Whether ``token`` decodes to white space only (cached: few distinct ids)."""
+        blank = self._blank.get(token)
+        if blank is None:
+            text = str(self.tokenizer.decode([token], skip_special_tokens=False))
+            blank = self._blank[token] = text.strip() == ""
+        return blank
 
     def stop_token_ids(self) -> list[int]:
         """The model's end-of-turn ids: generation_config.json's eos, else the tokenizer's."""

@@ -40,15 +40,16 @@ def enqueue_file(
     run: str = "run",
     dataset: str = "d",
     max_new_tokens: int = 256,
+    tokenizer: Path = TOKENIZER_DIR,
     **plan: Any,
 ) -> DatasetStats:
-    """Enqueue ``path`` with the bundled tokenizer, as `eaglegen enqueue` does."""
+    """Enqueue ``path`` (with the bundled tokenizer by default), as `eaglegen enqueue` does."""
     report = run_enqueue(
         settings,
         settings.services(),
         RunPlan(
             run=run,
-            tokenizer=TOKENIZER_DIR,
+            tokenizer=tokenizer,
             datasets=[DatasetPlan(dataset, path, sampling={"max_new_tokens": max_new_tokens})],
             **plan,
         ),
@@ -56,6 +57,34 @@ def enqueue_file(
     )
     [stats] = report.datasets
     return stats
+
+
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+# The special tokens of the template families in TEMPLATES that the bundled vocabulary lacks.
+FAMILY_TOKENS = [
+    "<|im_start|>",
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+    "<｜tool▁outputs▁end｜>",
+]
+
+
+def family_tokenizer(folder: Path, family: str) -> Path:
+    """The bundled tokenizer with ``family``'s chat template and special tokens, saved under
+    ``folder/family`` (tests/data/templates/README.md says what each family is)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), local_files_only=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": FAMILY_TOKENS})
+    tokenizer.chat_template = (TEMPLATES / f"{family}.jinja").read_text()
+    out = folder / family
+    tokenizer.save_pretrained(str(out))
+    return out
 
 
 def wait_settled(repo: Repository, timeout_s: float = 120.0) -> dict[str, int]:

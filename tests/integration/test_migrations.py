@@ -64,3 +64,47 @@ def test_jobs_stored_before_0004_keep_their_identity(database_url: str) -> None:
     assert repo.insert_jobs(dataset, [job]) == []
     assert repo.insert_jobs(dataset, [job], expect_new=True) == []
     engine.dispose()
+
+
+def test_0005_marks_the_jobs_of_runs_that_expected_reasoning(database_url: str) -> None:
+    # Until 0004 a run decided once (runs.think_end_id set or not); 0005 decides per job.
+    command.downgrade(alembic_config(database_url), "0004")
+    engine = make_engine(database_url)
+    with engine.begin() as conn:
+        for name, think_end in (("reasoning", 10), ("plain", None)):
+            run = conn.execute(
+                text(
+                    "INSERT INTO runs (name, tokenizer_path, tokenizer_sha256,"
+                    " chat_template_sha256, model_name, think_end_id)"
+                    " VALUES (:n, 't', 'a', 'b', 'm', :e) RETURNING id"
+                ),
+                {"n": name, "e": think_end},
+            ).scalar_one()
+            dataset = conn.execute(
+                text(
+                    "INSERT INTO datasets (run_id, name, source, sampling_params)"
+                    " VALUES (:run, 'd', 's', '{}') RETURNING id"
+                ),
+                {"run": run},
+            ).scalar_one()
+            job = NewJob(0, [1, 2, 9], {"messages": [], "tools": None})
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (dataset_id, row_index, prompt_sha256, input_ids,"
+                    " prompt_tokens, messages) VALUES (:d, 0, :sha, :ids, 3, '{}')"
+                ),
+                {"d": dataset, "sha": job.prompt_sha256, "ids": job.packed},
+            )
+    command.upgrade(alembic_config(database_url), "head")
+    with engine.connect() as conn:
+        marked = dict(
+            conn.execute(
+                text(
+                    "SELECT runs.name, jobs.opens_reasoning FROM jobs"
+                    " JOIN datasets ON datasets.id = jobs.dataset_id"
+                    " JOIN runs ON runs.id = datasets.run_id"
+                )
+            ).all()
+        )
+    engine.dispose()
+    assert marked == {"reasoning": True, "plain": False}

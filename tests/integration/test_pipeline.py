@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 from celery.contrib.testing.worker import start_worker
 
-from core.settings import Settings
-from eaglegen.sim import SimServer
+from core.settings import ServerSpec, Settings
+from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
 from models.states import JobState
-from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
+from tests.helpers import enqueue_file, family_tokenizer, sample_rows, wait_settled, write_jsonl
 from worker.app import create_worker_app
 
 
-@pytest.fixture
-def running_worker(settings: Settings) -> Iterator[None]:
+@contextmanager
+def worker(settings: Settings) -> Iterator[None]:
+    """A real Celery worker (threads pool) in this process, on the settings' servers."""
     app, context = create_worker_app(settings, settings.services())
     with start_worker(
         app,
@@ -30,6 +33,12 @@ def running_worker(settings: Settings) -> Iterator[None]:
     ):
         yield
     context.close()
+
+
+@pytest.fixture
+def running_worker(settings: Settings) -> Iterator[None]:
+    with worker(settings):
+        yield
 
 
 def test_every_job_is_done_once_with_the_servers_exact_output(
@@ -95,3 +104,46 @@ def test_a_prompt_too_long_for_the_context_fails_with_the_servers_message(
         assert "HTTP 400" in job["last_error"] and "context length" in job["last_error"]
         assert job["attempts"] == 1
     assert repo.generation_count() == 0
+
+
+ASKS = [{"messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(6)]
+AFTER_TOOL = [
+    {
+        "messages": [
+            {"role": "user", "content": f"Weather in city {i}?"},
+            {"role": "assistant", "content": "Let me look."},
+            {"role": "tool", "content": "sunny"},
+        ]
+    }
+    for i in range(4)
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "opening_rows"),
+    [("qwen3_thinking", set(range(10))), ("deepseek_r1", set(range(6)))],
+)
+def test_a_reasoning_block_is_expected_only_of_jobs_whose_prompt_opens_one(
+    settings: Settings, repo: Repository, tmp_path: Path, family: str, opening_rows: set[int]
+) -> None:
+    # `<think>\n` ends these families' generation prompts; R1's adds none after a tool turn.
+    tokenizer = family_tokenizer(tmp_path, family)
+    config = SimConfig(seed=7, decode_step_ms=0.5, decode_ms_per_request=0.02)
+    with SimServer(replace(config, tokenizer_dir=tokenizer)) as sim:
+        served = settings.model_copy(update={"servers": [ServerSpec(name="sim", url=sim.url)]})
+        with worker(served):
+            path = write_jsonl(tmp_path / "d.jsonl", ASKS + AFTER_TOOL)
+            enqueue_file(served, path, tokenizer=tokenizer, max_new_tokens=400)
+            assert wait_settled(repo)["done"] == 10
+    for job_id in repo.job_ids():
+        job, gen = repo.job(job_id), repo.generation(job_id)
+        assert job is not None and gen is not None
+        opens = job["row_index"] in opening_rows
+        assert job["opens_reasoning"] is opens
+        if opens:
+            assert gen["reasoning_tokens"] + gen["answer_tokens"] == gen["completion_tokens"]
+            assert isinstance(gen["think_end_present"], bool)
+            if gen["finish_type"] == "stop":  # the simulator closes every block it finishes
+                assert gen["think_end_present"]
+        else:
+            assert gen["think_end_present"] is None and gen["reasoning_tokens"] is None

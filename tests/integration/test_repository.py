@@ -7,10 +7,12 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import select
 
 from models.db import make_engine
 from models.records import DatasetSpec, GenerationRecord, JobBatch, NewJob, RunSpec
 from models.repository import DatasetMismatchError, Repository, RunMismatchError
+from models.schema import Run
 from models.states import JobState
 from tests.helpers import InspectRepository
 
@@ -193,3 +195,21 @@ def test_concurrent_inserts_of_overlapping_jobs_store_each_prompt_once(repo: Rep
     stored = repo.job_ids()
     assert sorted(results[0] + results[1]) == sorted(stored)  # every new id reported once
     assert sorted(repo.job(i)["row_index"] for i in stored) == list(range(900))  # type: ignore[index]
+
+
+def test_a_run_without_a_recorded_think_end_gets_it_from_the_same_tokenizer(
+    repo: Repository,
+) -> None:
+    # Runs created before 0005 recorded it only when the probe prompt ended in `<think>`.
+    run_id = repo.ensure_run(RunSpec("r", "/tok", "a" * 64, "b" * 64, "tiny"))
+    other = RunSpec("r", "/tok", "c" * 64, "b" * 64, "tiny", think_end_id=10)
+    with pytest.raises(RunMismatchError):
+        repo.ensure_run(other)
+
+    def stored() -> int | None:
+        with repo.engine.connect() as conn:
+            return conn.scalar(select(Run.think_end_id).where(Run.id == run_id))
+
+    assert stored() is None  # another tokenizer says nothing about this run's
+    assert repo.ensure_run(RunSpec("r", "/tok", "a" * 64, "b" * 64, "tiny", think_end_id=10))
+    assert stored() == 10
