@@ -61,6 +61,8 @@ class Settings(BaseSettings):
     retry_base_s: float = Field(default=1.0, ge=0)
     retry_cap_s: float = Field(default=60.0, ge=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # A JSON Lines row longer than this is rejected as too_long without being read whole.
+    max_row_bytes: int = Field(default=8 << 20, ge=1024)
 
     def services(self) -> Services:
         """The database and broker, or a ValueError saying how to provide them."""

@@ -66,6 +66,7 @@ def run_enqueue(
                 publisher=publisher,
                 progress=progress,
                 preparer=preparer,
+                max_row_bytes=settings.max_row_bytes,
             ),
         )
 

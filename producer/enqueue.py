@@ -33,7 +33,7 @@ from producer.parallel import (
 )
 from producer.plan import DatasetPlan, RunPlan
 from producer.prepare import Prepared
-from producer.readers import detect_format, iter_rows
+from producer.readers import MAX_ROW_BYTES, InputError, detect_format, iter_rows
 from producer.rows import RawRow
 from producer.stats import DatasetStats, totals
 from producer.template import Templater
@@ -105,6 +105,11 @@ class RunReport:
     datasets: list[DatasetStats]
     warnings: list[str] = field(default_factory=list)
 
+    @property
+    def empty_datasets(self) -> list[str]:
+        """Datasets of which no row is a job: an empty file, or every row rejected."""
+        return [s.dataset for s in self.datasets if s.accepted + s.duplicates == 0]
+
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` document."""
         return {
@@ -112,6 +117,7 @@ class RunReport:
             "dry_run": self.dry_run,
             **totals(self.datasets),
             "datasets": {s.dataset: s.as_dict() for s in self.datasets},
+            "empty_datasets": self.empty_datasets,
             "warnings": self.warnings,
         }
 
@@ -150,12 +156,15 @@ def enqueue_run(
     publisher: Publisher | None,
     progress: Progress | None = None,
     preparer: Preparer | None = None,
+    max_row_bytes: int = MAX_ROW_BYTES,
 ) -> RunReport:
     """Enqueue every dataset of ``plan``; with no repository it is a dry run.
 
     Inputs are checked and the run and its datasets are created (or checked against what
     exists) before the first job is written, so a refusal leaves no partial dataset.
     ``preparer`` templates the batches (default: `make_preparer`'s); it is closed here.
+    A file that breaks mid-stream raises InputError once the rows before the break are
+    stored, saying how many.
     """
     for dataset in plan.datasets:
         detect_format(dataset.path, dataset.fmt)
@@ -174,9 +183,24 @@ def enqueue_run(
                 sinks[dataset.name].budget_tokens,
                 dataset.budget_basis,
             )
-            enqueue_dataset(preparer, plan, dataset, sinks[dataset.name], stats, progress)
+            enqueue_dataset(
+                preparer, plan, dataset, sinks[dataset.name], stats, progress, max_row_bytes
+            )
             report.datasets.append(stats)
+            report.warnings.extend(_nothing_accepted(dataset, stats))
     return report
+
+
+def _nothing_accepted(dataset: DatasetPlan, stats: DatasetStats) -> Iterator[str]:
+    """A warning for a dataset of which no row is a job (`RunReport.empty_datasets`)."""
+    if stats.rows == 0:
+        yield f"dataset {dataset.name!r}: {dataset.path} is empty: no rows"
+    elif stats.accepted + stats.duplicates == 0:
+        reasons = ", ".join(f"{r} {n:,}" for r, n in stats.rejected_by_reason.most_common())
+        yield (
+            f"dataset {dataset.name!r}: none of the {stats.rows:,} rows of {dataset.path} "
+            f"is a job ({reasons}); is it the file you meant?"
+        )
 
 
 def _budget_warnings(plan: RunPlan, sinks: dict[str, Sink]) -> Iterator[str]:
@@ -270,6 +294,7 @@ def enqueue_dataset(
     sink: Sink,
     stats: DatasetStats,
     progress: Progress | None = None,
+    max_row_bytes: int = MAX_ROW_BYTES,
 ) -> None:
     """Stream one dataset's rows through validation, templating and the sink, in order.
 
@@ -277,8 +302,15 @@ def enqueue_dataset(
     (Postgres insert, Redis publish) runs on one background thread, in order, meanwhile.
     """
     # Rows stay undecoded here: decoding is part of preparing, which may run in workers.
-    rows = iter_rows(dataset.path, dataset.fmt, decode=False)
-    rows = select_rows(rows, dataset.limit, dataset.sample_seed)
+    source = UntilBroken(
+        iter_rows(dataset.path, dataset.fmt, decode=False, max_row_bytes=max_row_bytes)
+    )
+    rows = select_rows(source, dataset.limit, dataset.sample_seed)
+    if source.broken is not None:  # a seeded sample read the whole file before any batch
+        raise InputError(
+            f"{source.broken}; nothing of dataset {dataset.name!r} is stored (a seeded "
+            "sample needs the whole file): fix it and run the same enqueue again"
+        )
     preparing: deque[tuple[int, Future[Prepared] | Future[str]]] = deque()
     writing: deque[tuple[int, Prepared, Future[int]]] = deque()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="enqueue-writer") as writer:
@@ -299,6 +331,34 @@ def enqueue_dataset(
             write_oldest()
         while writing:
             _account(stats, *writing.popleft(), dataset.name, progress)
+    if source.broken is not None:
+        raise InputError(f"{source.broken}; {_what_is_stored(dataset, stats, sink)}")
+
+
+class UntilBroken:
+    """A reader's rows up to where its file breaks. The break is kept in ``broken`` instead
+    of raised, so that the rows read before it are still prepared and stored."""
+
+    def __init__(self, rows: Iterable[RawRow]) -> None:
+        self._rows = rows
+        self.broken: InputError | None = None
+
+    def __iter__(self) -> Iterator[RawRow]:
+        try:
+            yield from self._rows
+        except InputError as exc:
+            self.broken = exc
+
+
+def _what_is_stored(dataset: DatasetPlan, stats: DatasetStats, sink: Sink) -> str:
+    """What an enqueue that stops at a broken file leaves behind, and how to finish it."""
+    if isinstance(sink, DrySink):
+        return f"dry run: {stats.rows:,} rows before it were read, nothing is stored"
+    return (
+        f"{stats.accepted:,} new job(s) of dataset {dataset.name!r} from the {stats.rows:,} "
+        "rows before it are stored and queued (and every dataset before it); fix the file "
+        "and run the same enqueue again: it adds only what is missing"
+    )
 
 
 def _account(

@@ -10,12 +10,13 @@ import importlib
 import io
 import json
 import re
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from producer.rows import RawRow
+from producer.rows import RawRow, RowError
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
 SUPPORTED = (
@@ -50,21 +51,53 @@ CHUNK_CHARS = 1 << 20
 SNIFF_BYTES = 1 << 20
 # A single JSON value this long means a corrupt file; bounds what a bad file can buffer.
 MAX_VALUE_CHARS = 64 << 20
+# A JSON Lines row longer than this is rejected unread (the default of the setting
+# max_row_bytes): far above any prompt a context window holds, and a bound on what one line
+# can cost in memory.
+MAX_ROW_BYTES = 8 << 20
+# What a stream that breaks mid-file raises: a truncated gzip (EOFError), corrupt gzip data
+# (zlib.error, gzip.BadGzipFile is an OSError), or the disk itself (OSError).
+_STREAM_ERRORS = (EOFError, OSError, zlib.error)
 
 
 class InputError(ValueError):
     """A dataset that cannot be read at all; raised before any of its rows is yielded."""
 
 
-def iter_rows(path: Path, fmt: str | None = None, *, decode: bool = True) -> Iterator[RawRow]:
+def iter_rows(
+    path: Path,
+    fmt: str | None = None,
+    *,
+    decode: bool = True,
+    max_row_bytes: int = MAX_ROW_BYTES,
+) -> Iterator[RawRow]:
     """Stream the rows of ``path`` with stable 0-based indexes; unreadable input: InputError.
 
-    With ``decode=False`` JSON Lines rows come undecoded (see `RawRow.decoded`).
+    With ``decode=False`` JSON Lines rows come undecoded (see `RawRow.decoded`). A JSON
+    Lines row over ``max_row_bytes`` comes as a ``too_long`` rejection, never read whole.
     """
-    # Raised at this call for a missing, unreadable or unknown input; a JSON document that
-    # breaks off mid-array cannot be resynchronised, so it raises where it breaks.
-    rows = _READERS[detect_format(path, fmt)](path)
+    # Raised at this call for a missing, unreadable or unknown input; a file that breaks
+    # off mid-stream (a truncated gzip, a JSON array never closed) cannot be resynchronised,
+    # so it raises where it breaks, naming the last row read before it.
+    found = detect_format(path, fmt)
+    rows = _read_jsonl(path, max_row_bytes) if found == "jsonl" else _READERS[found](path)
+    rows = _unbroken(path, rows)
     return (row.decoded() for row in rows) if decode else rows
+
+
+def _unbroken(path: Path, rows: Iterator[RawRow]) -> Iterator[RawRow]:
+    """``rows``, with a stream that breaks mid-file turned into one InputError saying where."""
+    last = None
+    try:
+        for row in rows:
+            last = row.index
+            yield row
+    except _STREAM_ERRORS as exc:
+        where = "before its first row" if last is None else f"after row {last + 1:,}"
+        reason = str(exc) or type(exc).__name__
+        if isinstance(exc, EOFError):
+            reason = f"the file is truncated ({reason})"
+        raise InputError(f"{path}: cannot read on {where}: {reason}") from exc
 
 
 def count_rows(path: Path, fmt: str | None = None) -> int | None:
@@ -178,12 +211,36 @@ def _next_nonblank_line(handle: io.BufferedIOBase) -> bytes | None:
     return None
 
 
-def _read_jsonl(path: Path) -> Iterator[RawRow]:
+def _read_jsonl(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[RawRow]:
     """One undecoded row per non-blank line; the index is the line number minus one."""
     with _open_binary(path) as handle:
-        for index, line in enumerate(handle):
-            if line.strip():
+        index = 0
+        while line := handle.readline(max_row_bytes + 1):
+            if len(line) > max_row_bytes and not line.endswith(b"\n"):
+                size = len(line) + _skip_line(handle)
+                yield _oversized(index, line, size, max_row_bytes)
+            elif line.strip():
                 yield RawRow(index, line=line)
+            index += 1
+
+
+def _skip_line(handle: io.BufferedIOBase) -> int:
+    """Read past the rest of the current line in bounded chunks; how many bytes it had."""
+    skipped = 0
+    while chunk := handle.readline(CHUNK_CHARS):
+        skipped += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return skipped
+
+
+def _oversized(index: int, start: bytes, size: int, limit: int) -> RawRow:
+    error = RowError(
+        "too_long",
+        f"line {index + 1}: {size:,} bytes, over the row size limit of {limit:,}"
+        " (EAGLEGEN_MAX_ROW_BYTES); not read",
+    )
+    return RawRow(index, error=error, excerpt=start[:300].decode("utf-8", "replace"))
 
 
 class _JsonStream:

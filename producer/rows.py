@@ -119,6 +119,16 @@ def to_prompt(row: Any) -> Prompt:
     return Prompt(messages=messages, tools=_tools(row.get("tools")))
 
 
+def _empty_system_turn(turn: _Turn) -> bool:
+    if turn.role != "system":
+        return False
+    try:
+        content = _text(turn.label, turn.message.get("content"))
+    except RowError:
+        return False  # malformed: `_checked` says how
+    return not (content or "").strip()
+
+
 def _turns(row: dict[str, Any]) -> tuple[str, list[_Turn]]:
     """The row's turns with resolved roles, and the name of the field they came from."""
     if row.get("messages") is not None:
@@ -130,6 +140,8 @@ def _turns(row: dict[str, Any]) -> tuple[str, list[_Turn]]:
     else:
         keys = ", ".join(sorted(map(str, row))[:10]) or "none"
         raise RowError("no_prompt_field", f"no 'messages', 'conversations' or 'prompt' ({keys})")
+    # An empty system turn is "no system prompt", as an empty top-level `system` field is.
+    turns = [turn for turn in turns if not _empty_system_turn(turn)]
     return field, _with_system_field(row, turns)
 
 

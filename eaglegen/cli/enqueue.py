@@ -64,7 +64,11 @@ def enqueue(
     broker_url: BrokerUrl = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Template every row with the model's chat template and enqueue one job per prompt."""
+    """Template every row with the model's chat template and enqueue one job per prompt.
+
+    Exits 1 when a dataset has no row that is a job (an empty file, or every row rejected),
+    2 on an error.
+    """
     from eaglegen.report.enqueue import enqueue_table
     from producer.plan import plan_from_flags, plan_from_run_file
     from producer.readers import detect_format
@@ -105,6 +109,8 @@ def enqueue(
         err.print(enqueue_table(report))
     for warning in report.warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    if report.empty_datasets:  # an empty file, or one of which every row was rejected
+        raise typer.Exit(1)
 
 
 def _enqueue_or_explain(

@@ -190,6 +190,27 @@ def test_bare_prompt_with_and_without_system() -> None:
     assert to_prompt({"prompt": "q", "system": ""}).messages == [user("q")]
 
 
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"prompt": "q", "system": ""},
+        {"prompt": "q", "system": " \n"},
+        {"messages": [{"role": "system", "content": ""}, user("q")]},
+        {"messages": [{"role": "system", "content": [{"type": "text", "text": " "}]}, user("q")]},
+        {"conversations": [{"from": "system", "value": ""}, {"from": "human", "value": "q"}]},
+        # An empty system turn is no system prompt, so it does not clash with the field.
+        {"system": "", "messages": [{"role": "system", "content": ""}, user("q")]},
+    ],
+)
+def test_an_empty_system_prompt_is_dropped_in_every_spelling(row: dict[str, Any]) -> None:
+    assert to_prompt(row).messages == [user("q")]
+
+
+def test_a_system_field_and_an_empty_system_turn_keep_the_field() -> None:
+    row = {"system": "sys", "messages": [{"role": "system", "content": ""}, user("q")]}
+    assert to_prompt(row).messages == [{"role": "system", "content": "sys"}, user("q")]
+
+
 def test_nulls_count_as_absent_fields() -> None:
     row = {
         "messages": None,
@@ -258,11 +279,6 @@ ASK = {"role": "user", "content": "q"}
         ({"messages": [user(None)]}, "empty_prompt", "messages[0] (user) has empty content"),
         ({"messages": [user(" \n")]}, "empty_prompt", "messages[0] (user)"),
         ({"messages": [user([])]}, "empty_prompt", "messages[0] (user)"),
-        (
-            {"messages": [{"role": "system", "content": ""}, ASK]},
-            "empty_prompt",
-            "messages[0] (system)",
-        ),
         ({"messages": []}, "empty_prompt", "'messages' is an empty list"),
         ({"conversations": []}, "empty_prompt", "'conversations' is an empty list"),
         (
