@@ -18,7 +18,15 @@ from core.urls import redact
 from eaglegen.assets import SAMPLE_DATASET, TOKENIZER_DIR
 from eaglegen.report.status import totals
 from eaglegen.sim import SimConfig, SimServer
-from eaglegen.stack import Child, EmbeddedPostgres, EmbeddedRedis, flower_argv, free_port, spawn
+from eaglegen.stack import (
+    Child,
+    EmbeddedPostgres,
+    EmbeddedRedis,
+    flower_argv,
+    flower_env,
+    free_port,
+    spawn,
+)
 from models.db import make_engine, upgrade
 from models.repository import Repository
 from producer.commands import run_enqueue
@@ -75,7 +83,7 @@ def _children(settings: Settings, live: Services, sim_url: str, concurrency: int
     flower = spawn(
         "flower",
         flower_argv("127.0.0.1", free_port()),
-        {"CELERY_BROKER_URL": live.broker_url},
+        flower_env(live.broker_url),
         logs / "flower.log",
     )
     return [worker, flower]

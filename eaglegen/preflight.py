@@ -12,7 +12,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from core.urls import normalize_database_url, redact
+from core.urls import normalize_database_url, redact, scrub
 from models.db import alembic_config
 
 CONNECT_TIMEOUT_S = 5
@@ -34,7 +34,8 @@ def check_database(url: str, *, schema: bool = True) -> None:
         with engine.connect() as conn:
             current = set(MigrationContext.configure(conn).get_current_heads())
     except SQLAlchemyError as exc:
-        raise ServiceError(f"cannot use Postgres at {redact(url)}: {_first_line(exc)}") from exc
+        reason = scrub(_first_line(exc), url)
+        raise ServiceError(f"cannot use Postgres at {redact(url)}: {reason}") from exc
     finally:
         engine.dispose()
     problem = schema_problem(current, set(script.get_heads()), known) if schema else None
@@ -71,7 +72,7 @@ def check_broker(url: str) -> None:
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise ServiceError(f"cannot use Redis at {redact(url)}: {exc}") from exc
+        raise ServiceError(f"cannot use Redis at {redact(url)}: {scrub(str(exc), url)}") from exc
     finally:
         client.close()
 

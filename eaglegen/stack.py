@@ -21,6 +21,8 @@ from urllib.parse import quote
 
 import redis
 
+from core.urls import password_in_userinfo
+
 STACK_FILE = "stack.json"
 
 
@@ -188,6 +190,11 @@ def spawn(
     return Child(name, process)
 
 
+def flower_env(broker_url: str) -> dict[str, str]:
+    """Flower's environment: the broker URL goes there, never on its command line."""
+    return {"CELERY_BROKER_URL": password_in_userinfo(broker_url)}
+
+
 def flower_argv(address: str, port: int) -> list[str]:
     """Flower on ``address:port``; the broker URL comes from CELERY_BROKER_URL, not argv."""
     return [sys.executable, "-m", "celery", "flower", f"--address={address}", f"--port={port}"]
@@ -196,7 +203,11 @@ def flower_argv(address: str, port: int) -> list[str]:
 def write_stack_file(data_dir: Path, info: dict[str, Any]) -> None:
     """Record what `eaglegen up` started, so later commands and `down` find it."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / STACK_FILE).write_text(json.dumps(info, indent=2))
+    path = data_dir / STACK_FILE
+    # It holds the service URLs as given, passwords included: for this user's eyes only.
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(json.dumps(info, indent=2))
 
 
 def read_stack_file(data_dir: Path) -> dict[str, Any] | None:
@@ -261,7 +272,7 @@ def up(
         broker_url = redis_server.start()
         assert redis_server.process is not None
         info["redis_pid"] = redis_server.process.pid
-    env = {"CELERY_BROKER_URL": broker_url}
+    env = flower_env(broker_url)
     if flower_basic_auth:
         env["FLOWER_BASIC_AUTH"] = flower_basic_auth
     flower = spawn(

@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 
 from core.settings import Settings
 from eaglegen.assets import SAMPLE_DATASET, TOKENIZER_DIR
+from eaglegen.stack import EmbeddedRedis
 from models.repository import Repository
 from models.schema import Dataset, Generation, Job, RejectedRow
 from models.states import JobState
@@ -57,6 +58,21 @@ def enqueue_file(
     )
     [stats] = report.datasets
     return stats
+
+
+class PasswordRedis(EmbeddedRedis):
+    """An embedded Redis that wants a password, given in its URL's query (``?password=``)."""
+
+    def __init__(self, data_dir: Path, password: str, port: int | None = None) -> None:
+        super().__init__(data_dir, port)
+        self.password = password
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0?password={self.password}"
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--requirepass", self.password]
 
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"

@@ -7,6 +7,7 @@ from typing import Any
 from celery import Celery
 
 from core.settings import Settings
+from core.urls import password_in_userinfo
 
 # Far above the longest generation: a message not acked by then is redelivered, and a
 # redelivery is only a hint (the claim in Postgres decides), but it wastes a slot.
@@ -16,7 +17,7 @@ VISIBILITY_TIMEOUT_S = 12 * 3600
 def celery_config(settings: Settings, broker_url: str) -> dict[str, Any]:
     """The Celery settings of DESIGN §7: JSON only, late acks, one message prefetched."""
     return {
-        "broker_url": broker_url,
+        "broker_url": password_in_userinfo(broker_url),  # the one form kombu reads
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT_S},
         "task_serializer": "json",

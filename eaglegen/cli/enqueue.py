@@ -122,7 +122,7 @@ def _enqueue_or_explain(
     import redis
     from sqlalchemy.exc import OperationalError
 
-    from core.urls import redact
+    from core.urls import redact, scrub
     from producer.commands import run_enqueue
 
     try:
@@ -139,6 +139,7 @@ def _enqueue_or_explain(
             ("Postgres", target.database_url) if postgres else ("Redis", target.broker_url)
         )
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0].rstrip(".")
+        reason = scrub(reason, url)
         raise ValueError(
             f"lost {service} at {redact(url)} mid-run: {reason}. What was stored stays; run "
             "the same enqueue again to add the rest, then `eaglegen reconcile` to publish "

@@ -254,17 +254,35 @@ def test_every_command_refuses_an_unusable_service_in_one_line(tmp_path: Path) -
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {
-        "EAGLEGEN_DATABASE_URL": f"postgresql://u:s3cret@127.0.0.1:{port}/db",
-        "EAGLEGEN_BROKER_URL": f"redis://:s3cret@127.0.0.1:{port}/0",
-        "EAGLEGEN_DATA_DIR": str(tmp_path),
-    }
-    for command in (["db", "upgrade"], ["status"], ["audit"], ["reconcile"], ["budget", "show"]):
-        result = eaglegen(*command, env={**env, "COLUMNS": "300"})
-        assert result.returncode == 2, (command, result.stderr)
-        assert result.stderr.startswith("error: cannot use "), (command, result.stderr)
-        assert len(result.stderr.strip().splitlines()) == 1, (command, result.stderr)
-        assert "s3cret" not in result.stderr
+    # The password in the userinfo, then as a query parameter (both drivers take either).
+    for database, broker in (
+        (f"postgresql://u:s3cret@127.0.0.1:{port}/db", f"redis://:s3cret@127.0.0.1:{port}/0"),
+        (
+            f"postgresql://u@127.0.0.1:{port}/db?password=s3cret",
+            f"redis://127.0.0.1:{port}/0?password=s3cret",
+        ),
+    ):
+        env = {
+            "EAGLEGEN_DATABASE_URL": database,
+            "EAGLEGEN_BROKER_URL": broker,
+            "EAGLEGEN_DATA_DIR": str(tmp_path),
+            "COLUMNS": "300",
+        }
+        for command in (
+            ["db", "upgrade"],
+            ["status"],
+            ["audit"],
+            ["reconcile"],
+            ["budget", "show"],
+            ["budget", "set", "d", "1M"],
+            ["worker", "--server", "http://127.0.0.1:1"],
+            ["worker", "--check"],
+        ):
+            result = eaglegen(*command, env=env)
+            assert result.returncode == 2, (command, result.stderr)
+            assert result.stderr.startswith("error: cannot use "), (command, result.stderr)
+            assert len(result.stderr.strip().splitlines()) == 1, (command, result.stderr)
+            assert "s3cret" not in result.stderr + result.stdout, (command, result.stderr)
 
 
 def test_an_invalid_setting_is_one_line_naming_it(tmp_path: Path) -> None:

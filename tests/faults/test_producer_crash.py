@@ -15,10 +15,11 @@ import redis
 from bench.procs import live_children
 from core.broker import Publisher, waiting_job_ids
 from core.settings import Settings
+from core.urls import redact
 from eaglegen.assets import TOKENIZER_DIR
-from eaglegen.stack import EmbeddedRedis
 from models.repository import Repository
 from tests.faults.harness import state_counts, wait_for, worker_env
+from tests.helpers import PasswordRedis
 from worker.reconcile import reconcile
 
 pytestmark = pytest.mark.faults
@@ -133,8 +134,9 @@ def test_redis_lost_mid_run_is_a_clear_error(
     fast_settings: Settings, repo: Repository, tmp_path: Path
 ) -> None:
     # The producer packs and sends its LPUSH itself: a lost server must still end the
-    # enqueue with one sentence saying how to finish, and keep what was stored.
-    broker = EmbeddedRedis(tmp_path)
+    # enqueue with one sentence saying how to finish, and keep what was stored. Its
+    # password (given in the query) is not in that sentence.
+    broker = PasswordRedis(tmp_path, "RdS3cretPW")
     env = {**worker_env(fast_settings), "EAGLEGEN_BROKER_URL": broker.start()}
     path = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
     command = [
@@ -154,8 +156,9 @@ def test_redis_lost_mid_run_is_a_clear_error(
     finally:
         broker.stop()
     assert enqueue.returncode == 2
-    expected = f"error: lost Redis at {broker.url} mid-run: "
+    expected = f"error: lost Redis at {redact(broker.url)} mid-run: "
     assert stderr.strip().startswith(expected), stderr
+    assert "RdS3cretPW" not in stderr
     assert "Traceback" not in stderr and ".." not in stderr
     assert "run the same enqueue again" in stderr
     assert state_counts(repo)["queued"] >= KILL_AFTER_JOBS  # what was stored stays
