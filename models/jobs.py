@@ -9,7 +9,7 @@ from sqlalchemy import ColumnElement, Connection, Engine, and_, func, or_, selec
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from models.ledger import BudgetBasis, settled, worst_case
-from models.records import Claim, ClaimedJob, GenerationRecord
+from models.records import Claim, ClaimedJob, GenerationRecord, RunModel
 from models.schema import Dataset, Generation, Job, Run
 from models.states import JobState
 
@@ -107,6 +107,31 @@ class JobQueries:
                 if target is JobState.QUEUED:
                     requeued.append(int(row.id))
         return requeued
+
+    def run_model(self, job_id: int) -> RunModel | None:
+        """The model of the job's run (None when the job is gone)."""
+        stmt = (
+            select(Run.name, Run.model_name, Run.tokenizer_path)
+            .join(Dataset, Dataset.run_id == Run.id)
+            .join(Job, Job.dataset_id == Dataset.id)
+            .where(Job.id == job_id)
+        )
+        with self.engine.connect() as conn:
+            row = conn.execute(stmt).one_or_none()
+        return None if row is None else RunModel(row.name, row.model_name, row.tokenizer_path)
+
+    def note_waiting(self, job_id: int, reason: str) -> None:
+        """Say on a queued job why it waits (its state, attempts and age stay as they are)."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(Job)
+                .where(
+                    Job.id == job_id,
+                    Job.state == JobState.QUEUED.value,
+                    Job.last_error.is_distinct_from(reason),
+                )
+                .values(last_error=reason)
+            )
 
     def queued_job_ids(self, idle_seconds: float) -> list[int]:
         """Queued jobs that have not changed for ``idle_seconds``."""

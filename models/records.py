@@ -147,6 +147,19 @@ class ClaimedJob:
 
 
 @dataclass(frozen=True)
+class RunModel:
+    """The model a job's run was templated for: only a server of it may generate the job.
+
+    ``model``: the run's model name (the run file's ``model``, else the tokenizer folder's
+    name); ``tokenizer_path``: the tokenizer folder the run was templated with.
+    """
+
+    run: str
+    model: str
+    tokenizer_path: str
+
+
+@dataclass(frozen=True)
 class Claim:
     """The answer to a claim: the job when won, else why not."""
 

@@ -17,7 +17,7 @@ from celery import Celery
 from core import keys
 from worker.reconcile import reconcile
 from worker.runner import WorkerContext
-from worker.servers import probe
+from worker.servers import identify, probe
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class Background:
     def start(self) -> None:
         """Start every loop (the heartbeat first, so `worker --check` sees us at once)."""
         s = self.ctx.settings
+        self.identify()
         self.beat()
         self._loop("heartbeat", s.heartbeat_interval_s, self.beat)
         self._loop("health", s.health_interval_s, self.check_health)
@@ -88,9 +89,11 @@ class Background:
                     "reason": srv.reason,
                     "held": len(srv.held),
                     "limit": srv.limit,
+                    "model": srv.served.model_path if srv.served else None,
                 }
                 for srv in self.ctx.router.servers
             },
+            "unserved_runs": dict(self.ctx.unserved),
         }
         self.ctx.redis.set(
             keys.heartbeat(socket.gethostname(), os.getpid()),
@@ -98,9 +101,17 @@ class Background:
             ex=max(1, int(3 * s.heartbeat_interval_s)),
         )
 
+    def identify(self) -> None:
+        """Ask each server whose model is not known yet what it serves."""
+        timeout = min(self.ctx.settings.health_interval_s * 3, 60.0)
+        for server in self.ctx.router.servers:
+            if server.served is None and (reason := identify(server, timeout)) is not None:
+                log.warning("server %s: its model is not known yet: %s", server.name, reason)
+
     def check_health(self) -> None:
         """Probe every attached server; stop consuming while none is up."""
         timeout = min(self.ctx.settings.health_interval_s * 3, 60.0)
+        self.identify()
         for server in self.ctx.router.servers:
             reason = probe(server, timeout)
             self.ctx.router.mark(server, healthy=reason is None, reason=reason or "")

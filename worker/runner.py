@@ -20,16 +20,19 @@ from sqlalchemy.exc import OperationalError
 from core.broker import Publisher
 from core.settings import ServerSpec, Services, Settings
 from models.db import make_engine
-from models.records import ClaimedJob, GenerationRecord
+from models.records import ClaimedJob, GenerationRecord, RunModel
 from models.repository import Repository
 from worker.reasoning import split_reasoning
 from worker.retry import AttemptError, Disposition, backoff, decide
-from worker.servers import Lease, Router, Server, probe
+from worker.servers import Lease, Router, Server, identify, probe
 from worker.sglang import SGLangClient
 from worker.slots import SlotPool
 from worker.validate import check_response
 
 log = logging.getLogger(__name__)
+# How long a job no server of this worker may generate waits before it is offered again
+# (to this worker or another): its run's model may come up, or another worker serve it.
+UNSERVED_RETRY_S = 60.0
 
 
 class Outcome(Enum):
@@ -65,6 +68,9 @@ class WorkerContext:
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     in_flight: set[int] = field(default_factory=set)
     stopping: threading.Event = field(default_factory=threading.Event)
+    # Runs none of this worker's servers may generate, with why (logged once per reason).
+    unserved: dict[str, str] = field(default_factory=dict)
+    identifying: threading.Lock = field(default_factory=threading.Lock)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -123,15 +129,43 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
     whose servers are full or down never holds a job it cannot start."""
     if ctx.stopping.is_set():
         return Result(Outcome.NO_SLOT)
-    lease = ctx.router.acquire(ctx.settings.slot_wait_s)
+    wanted = ctx.repo.run_model(job_id)
+    if wanted is None:
+        return Result(Outcome.NOT_CLAIMED)  # deleted with its run
+    _identify_unknown(ctx)
+    serving = [s for s in ctx.router.servers if s.serves(wanted) is None]
+    if not serving:
+        _unserved(ctx, job_id, wanted)
+        return Result(Outcome.NO_SLOT, UNSERVED_RETRY_S)
+    lease = ctx.router.acquire(ctx.settings.slot_wait_s, among=serving)
     if lease is None:
         # Servers full: another worker may take it now. All down: not before the next probe.
-        down = not ctx.router.any_healthy()
+        down = not any(s.healthy for s in serving)
         return Result(Outcome.NO_SLOT, ctx.settings.health_interval_s if down else 0.0)
     try:
         return _claimed_attempt(ctx, job_id, lease)
     finally:
         ctx.router.release(lease)
+
+
+def _identify_unknown(ctx: WorkerContext) -> None:
+    """Ask the servers whose model is not known yet (one thread at a time asks)."""
+    if all(s.served is not None for s in ctx.router.servers):
+        return
+    with ctx.identifying:
+        for server in ctx.router.servers:
+            if server.served is None:
+                identify(server, timeout_s=min(ctx.settings.health_interval_s, 5.0))
+
+
+def _unserved(ctx: WorkerContext, job_id: int, wanted: RunModel) -> None:
+    """Leave the job queued, saying on it (and once in the log) why no server took it."""
+    reasons = "; ".join(why for s in ctx.router.servers if (why := s.serves(wanted)))
+    reason = f"waiting for a server of model {wanted.model!r}: {reasons}"
+    if ctx.unserved.get(wanted.run) != reason:
+        ctx.unserved[wanted.run] = reason
+        log.warning("run %s: none of this worker's servers may generate it: %s", wanted.run, reason)
+    ctx.repo.note_waiting(job_id, reason)
 
 
 def _claimed_attempt(ctx: WorkerContext, job_id: int, lease: Lease) -> Result:

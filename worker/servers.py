@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
 from core.settings import ServerSpec
+from models.records import RunModel
+from worker.identity import Served, mismatch
 from worker.sglang import SGLangClient
 from worker.slots import SlotPool
 
@@ -27,11 +29,20 @@ class Server:
     healthy: bool = True
     reason: str = ""
     held: set[str] = field(default_factory=set)
+    # What /get_model_info said; until it has, the server generates nothing (see `serves`).
+    served: Served | None = None
 
     @property
     def name(self) -> str:
         """The server's name in settings, logs and generation rows."""
         return self.spec.name
+
+    def serves(self, wanted: RunModel) -> str | None:
+        """None when this server may generate the run's jobs, else why not."""
+        if self.served is None:
+            return f"{self.name}: its model is not known yet (/get_model_info unanswered)"
+        difference = mismatch(wanted, self.served)
+        return None if difference is None else f"{self.name}: {difference}"
 
 
 @dataclass(frozen=True)
@@ -57,17 +68,20 @@ class Router:
         """Whether at least one attached server is up."""
         return any(s.healthy for s in self.servers)
 
-    def acquire(self, timeout_s: float) -> Lease | None:
-        """A slot on some healthy server, waiting up to ``timeout_s``; None if none came."""
+    def acquire(self, timeout_s: float, among: Sequence[Server] | None = None) -> Lease | None:
+        """A slot on some healthy server (of ``among``, default all), waiting up to
+        ``timeout_s``; None if none came."""
+        candidates = self.servers if among is None else among
         deadline = time.monotonic() + timeout_s
         while True:
-            lease = self._try_once()
-            if lease is not None or not self.any_healthy() or time.monotonic() >= deadline:
+            lease = self._try_once(candidates)
+            healthy = any(s.healthy for s in candidates)
+            if lease is not None or not healthy or time.monotonic() >= deadline:
                 return lease
             time.sleep(self._poll_s)
 
-    def _try_once(self) -> Lease | None:
-        for server in sorted(self.servers, key=lambda s: len(s.held)):
+    def _try_once(self, candidates: Sequence[Server]) -> Lease | None:
+        for server in sorted(candidates, key=lambda s: len(s.held)):
             if not server.healthy:
                 continue
             token = self._slots.try_acquire(server.name, server.limit)
@@ -107,6 +121,25 @@ class Router:
         elif changed:
             log.warning("server %s is down: %s; its jobs go to other workers", server.name, reason)
         return changed
+
+
+def identify(server: Server, timeout_s: float) -> str | None:
+    """Ask ``/get_model_info`` what the server serves; None when it said, else the reason."""
+    try:
+        response = server.client.get("/get_model_info", timeout_s)
+        response.raise_for_status()
+        served = Served.of(response.json())
+    except (httpx.HTTPError, ValueError) as exc:
+        return f"/get_model_info: {type(exc).__name__}: {exc}"
+    if served != server.served:
+        log.warning(
+            "server %s serves model %s (tokenizer %s)",
+            server.name,
+            served.model_path,
+            served.tokenizer_path or "not said",
+        )
+    server.served = served
+    return None
 
 
 def probe(server: Server, timeout_s: float) -> str | None:

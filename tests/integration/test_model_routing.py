@@ -1,0 +1,79 @@
+"""A run's prompts go only to servers of its model; a run no server serves waits, saying why."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from sqlalchemy import text
+
+from core.settings import ServerSpec, Settings
+from eaglegen.sim import SimConfig, SimServer
+from models.repository import Repository
+from tests.helpers import enqueue_file, sample_rows, write_jsonl
+from tests.integration.test_pipeline import worker
+
+FAST = SimConfig(seed=3, decode_step_ms=0.5, decode_ms_per_request=0.02)
+
+
+def by_run(repo: Repository) -> dict[str, dict[str, int]]:
+    counts: dict[str, dict[str, int]] = {}
+    for c in repo.counts():
+        counts.setdefault(c.run, {k: 0 for k in c.states})
+        for state, n in c.states.items():
+            counts[c.run][state] += n
+    return counts
+
+
+def test_each_run_goes_to_a_server_of_its_model_and_an_unserved_run_waits(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    rows = sample_rows(30)
+    with (
+        SimServer(replace(FAST, model_path="org/model-a")) as a,
+        SimServer(replace(FAST, model_path="/weights/model-b")) as b,
+    ):
+        servers = [ServerSpec(name="a", url=a.url), ServerSpec(name="b", url=b.url)]
+        served = settings.model_copy(update={"servers": servers})
+        with worker(served):
+            for run, model, part in (
+                ("ra", "org/model-a", rows[:10]),
+                ("rb", "Model-B", rows[10:20]),  # the hub id's name, another case
+                ("rc", "org/model-c", rows[20:]),  # no server serves it
+            ):
+                path = write_jsonl(tmp_path / f"{run}.jsonl", part)
+                enqueue_file(served, path, run=run, model=model, max_new_tokens=64)
+            deadline = time.monotonic() + 120
+            while (counts := by_run(repo))["ra"]["done"] + counts["rb"]["done"] < 20:
+                assert time.monotonic() < deadline, counts
+                time.sleep(0.2)
+            time.sleep(1)  # rc's jobs have been offered by now, and sent back
+    assert counts["ra"]["done"] == counts["rb"]["done"] == 10
+    assert by_run(repo)["rc"] == {**{k: 0 for k in counts["rc"]}, "queued": 10}
+    with repo.engine.connect() as conn:
+        servers_of = dict(
+            conn.execute(
+                text(
+                    "SELECT runs.name, array_agg(DISTINCT generations.server) FROM generations"
+                    " JOIN jobs ON jobs.id = generations.job_id"
+                    " JOIN datasets ON datasets.id = jobs.dataset_id"
+                    " JOIN runs ON runs.id = datasets.run_id GROUP BY runs.name"
+                )
+            ).all()
+        )
+        waiting = conn.scalars(
+            text(
+                "SELECT DISTINCT jobs.last_error FROM jobs JOIN datasets"
+                " ON datasets.id = jobs.dataset_id JOIN runs ON runs.id = datasets.run_id"
+                " WHERE runs.name = 'rc' AND jobs.last_error IS NOT NULL"
+            )
+        ).all()
+    assert servers_of == {"ra": ["a"], "rb": ["b"]}
+    assert waiting, "the waiting jobs say why"
+    for reason in waiting:
+        assert reason.startswith("waiting for a server of model 'org/model-c'")
+        assert "a: run 'rc' wants model 'org/model-c', the server serves 'org/model-a'" in reason
+        assert (
+            "b: run 'rc' wants model 'org/model-c', the server serves '/weights/model-b'" in reason
+        )
