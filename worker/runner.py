@@ -30,9 +30,6 @@ from worker.slots import SlotPool
 from worker.validate import check_response
 
 log = logging.getLogger(__name__)
-# How long a job no server of this worker may generate waits before it is offered again
-# (to this worker or another): its run's model may come up, or another worker serve it.
-UNSERVED_RETRY_S = 60.0
 
 
 class Outcome(Enum):
@@ -135,8 +132,10 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
     _identify_unknown(ctx)
     serving = [s for s in ctx.router.servers if s.serves(wanted) is None]
     if not serving:
+        # Offered again (here or to another worker) after a health interval, as when every
+        # server is down: a server of its model may come up meanwhile.
         _unserved(ctx, job_id, wanted)
-        return Result(Outcome.NO_SLOT, UNSERVED_RETRY_S)
+        return Result(Outcome.NO_SLOT, ctx.settings.health_interval_s)
     lease = ctx.router.acquire(ctx.settings.slot_wait_s, among=serving)
     if lease is None:
         # Servers full: another worker may take it now. All down: not before the next probe.

@@ -23,6 +23,7 @@ from core.broker import Publisher
 from core.sampling import complete
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR, special_ids
+from eaglegen.sim import SimConfig
 from eaglegen.stack import EmbeddedPostgres, EmbeddedRedis, free_port
 from models.db import make_engine
 from models.records import DatasetSpec, NewJob, RunSpec
@@ -76,7 +77,12 @@ def seed_jobs(
     try:
         run_id = repo.ensure_run(
             RunSpec(
-                "run", str(TOKENIZER_DIR), "a" * 64, "b" * 64, "sim", think_end_id=IDS.think_end
+                "run",
+                str(TOKENIZER_DIR),
+                "a" * 64,
+                "b" * 64,
+                SimConfig().model_path,  # what the simulators serve
+                think_end_id=IDS.think_end,
             )
         )
         sampling = complete({"max_new_tokens": max_new_tokens}, [IDS.im_end])
@@ -84,7 +90,8 @@ def seed_jobs(
         dataset_id = repo.ensure_dataset(run_id, spec)
         salt = zlib.crc32(dataset.encode())
         jobs = [
-            NewJob(i, prompt_ids(i, salt), [{"role": "user", "content": f"q{i}"}]) for i in range(n)
+            NewJob(i, prompt_ids(i, salt), [{"role": "user", "content": f"q{i}"}], True)
+            for i in range(n)
         ]
         ids = repo.insert_jobs(dataset_id, jobs)
     finally:
