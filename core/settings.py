@@ -44,6 +44,10 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".eaglegen")
     servers: list[ServerSpec] = Field(default_factory=list)
     worker_concurrency: int = Field(default=64, ge=1, le=4096)
+    # Postgres connections one worker process opens at most, whatever its concurrency: its
+    # transactions take milliseconds, so threads wait for one instead of each holding one
+    # (workers x this must stay below the server's max_connections; README, "PgBouncer").
+    db_pool_size: int = Field(default=8, ge=1, le=256)
     max_attempts: int = Field(default=5, ge=1)
     request_timeout_s: float = Field(default=3600.0, gt=0)
     lease_seconds: int = Field(default=600, ge=2)

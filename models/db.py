@@ -13,9 +13,13 @@ from core.urls import normalize_database_url
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
-def make_engine(url: str, *, pool_size: int = 5, async_commit: bool = False) -> Engine:
+def make_engine(
+    url: str, *, pool_size: int = 5, max_overflow: int | None = None, async_commit: bool = False
+) -> Engine:
     """A pooled engine whose connections are checked before use (Postgres may restart).
 
+    At most ``pool_size`` + ``max_overflow`` (default: as many again) connections; a thread
+    that finds none free waits for one (SQLAlchemy's TimeoutError after 30 s).
     ``async_commit`` turns off the wait for the WAL flush at commit. Workers may: a commit
     lost in a Postgres crash leaves the job running under a lease, the reconciler queues it
     again, and it is generated again; nothing is recorded twice or half.
@@ -24,7 +28,7 @@ def make_engine(url: str, *, pool_size: int = 5, async_commit: bool = False) -> 
     return create_engine(
         normalize_database_url(url),
         pool_size=pool_size,
-        max_overflow=pool_size,
+        max_overflow=pool_size if max_overflow is None else max_overflow,
         pool_pre_ping=True,
         connect_args=options,
     )

@@ -10,14 +10,13 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.signals import worker_shutting_down
-from sqlalchemy.exc import OperationalError
 
 from core.settings import ServerSpec, Services, Settings
 from core.wire import TASK_GENERATE
 from worker.background import Background
 from worker.celeryconfig import make_celery
 from worker.retry import backoff
-from worker.runner import Outcome, WorkerContext, run_attempt
+from worker.runner import DATABASE_UNAVAILABLE, Outcome, WorkerContext, run_attempt
 
 log = logging.getLogger(__name__)
 # Outcomes after which this message's job needs another message: after a backoff, or at
@@ -65,10 +64,11 @@ def create_worker_app(
         ctx = holder.get()
         try:
             result = run_attempt(ctx, int(job_id))
-        except OperationalError as exc:
-            # Postgres unreachable (restart, failover): keep this job's message instead of
-            # acking it away with a failure, and ask again after a backoff.
-            log.warning("job %s: database unavailable (%s); retrying", job_id, exc.orig)
+        except DATABASE_UNAVAILABLE as exc:
+            # Postgres unreachable (restart, failover) or the pool exhausted: keep this job's
+            # message instead of acking it away with a failure, and ask again after a backoff.
+            reason = getattr(exc, "orig", None) or exc
+            log.warning("job %s: database unavailable (%s); retrying", job_id, reason)
             s = ctx.settings
             delay = backoff(self.request.retries + 1, s.retry_base_s, s.retry_cap_s)
             _send_back(ctx, self, int(job_id), delay)
@@ -121,6 +121,12 @@ def start(
     logging.getLogger("httpx").setLevel(logging.WARNING if quiet else logging.DEBUG)
     app, holder = create_worker_app(settings, services, servers)
     ctx = holder.get()
+    log.warning(
+        "worker %s: at most %d Postgres connections (EAGLEGEN_DB_POOL_SIZE), %d threads",
+        ctx.name,
+        settings.db_pool_size,
+        settings.worker_concurrency,
+    )
     name = nodename()
     background = Background(ctx, app, name, info)
     background.start()

@@ -83,6 +83,7 @@ class Background:
             "ts": time.time(),
             "in_flight": len(self.ctx.running_jobs()),
             "consuming": self.consuming,
+            "db_pool": s.db_pool_size,
             "servers": {
                 srv.name: {
                     "healthy": srv.healthy,

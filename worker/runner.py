@@ -16,6 +16,7 @@ from enum import Enum
 
 import redis
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as SQLTimeoutError
 
 from core.broker import Publisher
 from core.settings import ServerSpec, Services, Settings
@@ -30,6 +31,9 @@ from worker.slots import SlotPool
 from worker.validate import check_response
 
 log = logging.getLogger(__name__)
+# Postgres down or restarting, or every pooled connection busy for the pool's timeout: the
+# attempt is retried, never failed, for either.
+DATABASE_UNAVAILABLE = (OperationalError, SQLTimeoutError)
 
 
 class Outcome(Enum):
@@ -78,7 +82,10 @@ class WorkerContext:
         if not servers:
             raise ValueError("no SGLang servers: set EAGLEGEN_SERVERS or pass --server URL")
         engine = make_engine(
-            services.database_url, pool_size=min(settings.worker_concurrency, 32), async_commit=True
+            services.database_url,
+            pool_size=settings.db_pool_size,
+            max_overflow=0,
+            async_commit=True,
         )
         client = redis.Redis.from_url(services.broker_url)
         attached = [
@@ -196,7 +203,7 @@ def _record(ctx: WorkerContext, job_id: int, record: GenerationRecord) -> bool:
     while True:
         try:
             return ctx.repo.record(job_id, ctx.name, record)
-        except OperationalError:
+        except DATABASE_UNAVAILABLE:
             attempt += 1
             if time.monotonic() >= deadline or ctx.stopping.is_set():
                 raise

@@ -14,6 +14,7 @@ from eaglegen.cli.base import (
     command,
     database,
     emit_json,
+    err,
     load_settings,
     repository,
 )
@@ -29,12 +30,17 @@ def status(
     data_dir: DataDir = None,
 ) -> None:
     """Jobs by state per dataset."""
-    from eaglegen.report.status import status_document, status_table
+    from eaglegen.report.status import connections_warning, status_document, status_table
 
     settings = load_settings(database_url=database_url, data_dir=data_dir)
     with repository(database(settings)) as repo:
         counts = repo.counts(run)
+        in_use, limit = repo.postgres_connections()
     if json_out:
-        emit_json(status_document(counts))
+        document = status_document(counts)
+        document["postgres_connections"] = {"in_use": in_use, "max": limit}
+        emit_json(document)
     else:
         Console().print(status_table(counts))
+    if (warning := connections_warning(in_use, limit)) is not None:
+        err.print(f"[yellow]warning:[/] {warning}", highlight=False)

@@ -40,6 +40,17 @@ def status_document(counts: Sequence[DatasetCounts]) -> dict[str, Any]:
     }
 
 
+def connections_warning(in_use: int, limit: int) -> str | None:
+    """What to do when Postgres nears its connection limit (at 80% of it), else None."""
+    if in_use < 0.8 * limit:
+        return None
+    return (
+        f"Postgres has {in_use} of its {limit} connections in use: each worker process opens "
+        "up to EAGLEGEN_DB_POOL_SIZE; lower it, raise max_connections, or put PgBouncer in "
+        'front (README, "Many workers")'
+    )
+
+
 def status_table(counts: Sequence[DatasetCounts]) -> Table:
     """A rich table: one row per dataset, one column per state."""
     table = Table(title="eaglegen status")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from core.settings import Settings
@@ -25,6 +28,7 @@ from tests.faults.harness import (
     state_counts,
     wait_for,
     wait_settled,
+    worker_env,
 )
 
 pytestmark = pytest.mark.faults
@@ -106,3 +110,45 @@ def _wait_done(repo: Repository, fleet: Fleet, done: int) -> None:
 def _assert_all_running(fleet: Fleet) -> None:
     """No worker process died of the outage."""
     assert all(w.running() for w in fleet.workers), fleet.tails()
+
+
+def test_workers_fit_a_postgres_of_few_connections_and_leave_some_for_commands(
+    private_postgres: PrivatePostgres,
+    private_redis: PrivateRedis,
+    sim: SimServer,
+    fleet_factory: FleetFactory,
+    tmp_path: Path,
+) -> None:
+    """Three workers of 64 threads against max_connections = 30: each opened up to 64 before."""
+    plain = private_postgres.url.replace("postgresql+psycopg", "postgresql", 1)
+    with psycopg.connect(plain, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET max_connections = 30")
+    private_postgres.stop()
+    private_postgres.start()
+    upgrade(private_postgres.url)
+    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path)
+    settings = settings.model_copy(update={"worker_concurrency": 64})
+    repo = make_repo(settings)
+    fleet = fleet_factory(settings, [f"sim={sim.url}"])
+    try:
+        total = len(seed_jobs(settings, JOBS))
+        for _ in range(3):
+            fleet.start()
+        _wait_done(repo, fleet, total // 3)
+        # A control command mid-run finds a connection.
+        budget = subprocess.run(
+            [sys.executable, "-m", "eaglegen", "budget", "set", "d", "100M"],
+            env=worker_env(settings),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert budget.returncode == 0, budget.stderr
+        wait_settled(repo, fleet, timeout_s=150)
+        assert_exactly_once(repo, total, fleet)
+        _assert_all_running(fleet)
+        assert fleet.log_count("too many clients") == 0, fleet.tails()
+        assert fleet.log_count("at most 8 Postgres connections") == 3
+    finally:
+        repo.engine.dispose()
