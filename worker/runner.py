@@ -92,11 +92,7 @@ class WorkerContext:
             Server(
                 spec=s,
                 limit=s.max_inflight or settings.server_max_inflight,
-                client=SGLangClient(
-                    s,
-                    timeout_s=settings.request_timeout_s,
-                    max_connections=settings.worker_concurrency,
-                ),
+                client=SGLangClient(s, timeout_s=settings.request_timeout_s),
             )
             for s in servers
         ]

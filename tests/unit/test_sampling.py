@@ -34,9 +34,7 @@ EXAMPLES: dict[str, Any] = {
 
 def client() -> SGLangClient:
     # Nothing listens there: a refusal must come before any request is made.
-    return SGLangClient(
-        ServerSpec(name="s", url="http://127.0.0.1:9"), timeout_s=1, max_connections=1
-    )
+    return SGLangClient(ServerSpec(name="s", url="http://127.0.0.1:9"), timeout_s=1)
 
 
 def test_every_settable_key_is_accepted_and_would_be_sent() -> None:
