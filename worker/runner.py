@@ -178,17 +178,34 @@ def _claimed_attempt(ctx: WorkerContext, job_id: int, lease: Lease) -> Result:
         return Result(Outcome.SKIPPED)
     if claim.job is None:
         return Result(Outcome.NOT_CLAIMED)
+    # Tracked (its lease renewed, released at shutdown) until it is recorded or settled.
     ctx.track(job_id, True)
     try:
-        record = _generate(lease.server, claim.job)
-    except AttemptError as error:
-        return _settle_failure(ctx, lease.server, claim.job, error)
+        try:
+            record = _generate(lease.server, claim.job)
+        except AttemptError as error:
+            return _settle_failure(ctx, lease.server, claim.job, error)
+        except Exception as exc:  # a response nothing expected: this attempt ends now
+            return _settle_failure(ctx, lease.server, claim.job, _unexpected(lease.server, exc))
+        try:
+            recorded = _record(ctx, job_id, record)
+        except DATABASE_UNAVAILABLE:
+            raise  # the task sends the job back; the lease covers it meanwhile
+        except Exception as exc:  # e.g. an id beyond int32, which Postgres cannot hold
+            return _settle_failure(ctx, lease.server, claim.job, _unexpected(lease.server, exc))
     finally:
         ctx.track(job_id, False)
-    if _record(ctx, job_id, record):
+    if recorded:
         return Result(Outcome.DONE)
     log.warning("job %s: claim lost before recording; result dropped", job_id)
     return Result(Outcome.LOST)
+
+
+def _unexpected(server: Server, exc: Exception) -> AttemptError:
+    """An error no check foresaw, as a retryable failure of the attempt that keeps its cause
+    (instead of the job waiting out its lease with "lease expired" as its only trace)."""
+    detail = " ".join(str(exc).split())[:500]
+    return AttemptError(f"{server.name}: {type(exc).__name__}: {detail}", retryable=True)
 
 
 def _record(ctx: WorkerContext, job_id: int, record: GenerationRecord) -> bool:
