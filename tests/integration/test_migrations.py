@@ -7,7 +7,7 @@ import json
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, text
+from sqlalchemy import Connection, create_engine, text
 
 from models.db import alembic_config, make_engine
 from models.records import NewJob
@@ -23,25 +23,33 @@ def test_migrated_database_matches_models(database_url: str) -> None:
     assert diff == []
 
 
+def old_dataset(conn: Connection, run: str, think_end: int | None = None) -> int:
+    """A run and its dataset written as a schema of 0003 or 0004 holds them; the dataset id."""
+    run_id = conn.execute(
+        text(
+            "INSERT INTO runs (name, tokenizer_path, tokenizer_sha256, chat_template_sha256,"
+            " model_name, think_end_id) VALUES (:n, 't', 'a', 'b', 'm', :e) RETURNING id"
+        ),
+        {"n": run, "e": think_end},
+    ).scalar_one()
+    return int(
+        conn.execute(
+            text(
+                "INSERT INTO datasets (run_id, name, source, sampling_params)"
+                " VALUES (:run, 'd', 's', '{}') RETURNING id"
+            ),
+            {"run": run_id},
+        ).scalar_one()
+    )
+
+
 def test_jobs_stored_before_0004_keep_their_identity(database_url: str) -> None:
     # 0004 turned the hex prompt_sha256 into its 32 bytes and jsonb messages into json.
     command.downgrade(alembic_config(database_url), "0003")
     job = NewJob(0, [5, 6, 7], {"messages": [{"role": "user", "content": "hi"}], "tools": None})
     engine = make_engine(database_url)
     with engine.begin() as conn:
-        run = conn.execute(
-            text(
-                "INSERT INTO runs (name, tokenizer_path, tokenizer_sha256, chat_template_sha256,"
-                " model_name) VALUES ('r', 't', 'a', 'b', 'm') RETURNING id"
-            )
-        ).scalar_one()
-        dataset = conn.execute(
-            text(
-                "INSERT INTO datasets (run_id, name, source, sampling_params)"
-                " VALUES (:run, 'd', 's', '{}') RETURNING id"
-            ),
-            {"run": run},
-        ).scalar_one()
+        dataset = old_dataset(conn, "r")
         conn.execute(
             text(
                 "INSERT INTO jobs (dataset_id, row_index, prompt_sha256, input_ids,"
@@ -72,21 +80,7 @@ def test_0005_marks_the_jobs_of_runs_that_expected_reasoning(database_url: str) 
     engine = make_engine(database_url)
     with engine.begin() as conn:
         for name, think_end in (("reasoning", 10), ("plain", None)):
-            run = conn.execute(
-                text(
-                    "INSERT INTO runs (name, tokenizer_path, tokenizer_sha256,"
-                    " chat_template_sha256, model_name, think_end_id)"
-                    " VALUES (:n, 't', 'a', 'b', 'm', :e) RETURNING id"
-                ),
-                {"n": name, "e": think_end},
-            ).scalar_one()
-            dataset = conn.execute(
-                text(
-                    "INSERT INTO datasets (run_id, name, source, sampling_params)"
-                    " VALUES (:run, 'd', 's', '{}') RETURNING id"
-                ),
-                {"run": run},
-            ).scalar_one()
+            dataset = old_dataset(conn, name, think_end)
             job = NewJob(0, [1, 2, 9], {"messages": [], "tools": None})
             conn.execute(
                 text(
