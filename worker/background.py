@@ -42,7 +42,7 @@ class Background:
     def start(self) -> None:
         """Start every loop (the heartbeat first, so `worker --check` sees us at once)."""
         s = self.ctx.settings
-        self.identify()
+        self.identify(timeout_s=5.0)  # a server that does not answer is asked again later
         self.beat()
         self._loop("heartbeat", s.heartbeat_interval_s, self.beat)
         self._loop("health", s.health_interval_s, self.check_health)
@@ -102,9 +102,9 @@ class Background:
             ex=max(1, int(3 * s.heartbeat_interval_s)),
         )
 
-    def identify(self) -> None:
+    def identify(self, timeout_s: float | None = None) -> None:
         """Ask each server whose model is not known yet what it serves."""
-        timeout = min(self.ctx.settings.health_interval_s * 3, 60.0)
+        timeout = timeout_s or min(self.ctx.settings.health_interval_s * 3, 60.0)
         for server in self.ctx.router.servers:
             if server.served is None and (reason := identify(server, timeout)) is not None:
                 log.warning("server %s: its model is not known yet: %s", server.name, reason)

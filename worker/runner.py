@@ -132,8 +132,9 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
     wanted = ctx.repo.run_model(job_id)
     if wanted is None:
         return Result(Outcome.NOT_CLAIMED)  # deleted with its run
-    _identify_unknown(ctx)
     serving = [s for s in ctx.router.servers if s.serves(wanted) is None]
+    if not serving and _identify_unknown(ctx):
+        serving = [s for s in ctx.router.servers if s.serves(wanted) is None]
     if not serving:
         # Offered again (here or to another worker) after a health interval, as when every
         # server is down: a server of its model may come up meanwhile.
@@ -150,14 +151,18 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
         ctx.router.release(lease)
 
 
-def _identify_unknown(ctx: WorkerContext) -> None:
-    """Ask the servers whose model is not known yet (one thread at a time asks)."""
+def _identify_unknown(ctx: WorkerContext) -> bool:
+    """Ask the servers whose model is not known yet, each at most once a health interval
+    (one thread asks, the others wait for its answer); whether there were any."""
     if all(s.served is not None for s in ctx.router.servers):
-        return
+        return False
     with ctx.identifying:
         for server in ctx.router.servers:
-            if server.served is None:
+            if server.served is None and server.identify_after <= time.monotonic():
                 identify(server, timeout_s=min(ctx.settings.health_interval_s, 5.0))
+                # From the end of this try: the threads that waited for it do not ask again.
+                server.identify_after = time.monotonic() + ctx.settings.health_interval_s
+    return True
 
 
 def _unserved(ctx: WorkerContext, job_id: int, wanted: RunModel) -> None:

@@ -31,6 +31,7 @@ class Server:
     held: set[str] = field(default_factory=set)
     # What /get_model_info said; until it has, the server generates nothing (see `serves`).
     served: Served | None = None
+    identify_after: float = 0.0  # monotonic time before which a worker thread does not ask
 
     @property
     def name(self) -> str:

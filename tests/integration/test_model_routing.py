@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +12,7 @@ from sqlalchemy import text
 from core.settings import ServerSpec, Settings
 from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
-from tests.helpers import enqueue_file, sample_rows, write_jsonl
+from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from tests.integration.test_pipeline import worker
 
 FAST = SimConfig(seed=3, decode_step_ms=0.5, decode_ms_per_request=0.02)
@@ -77,3 +78,26 @@ def test_each_run_goes_to_a_server_of_its_model_and_an_unserved_run_waits(
         assert (
             "b: run 'rc' wants model 'org/model-c', the server serves '/weights/model-b'" in reason
         )
+
+
+def test_a_server_that_never_answers_does_not_hold_up_the_others(
+    settings: Settings, repo: Repository, sim: SimServer, tmp_path: Path
+) -> None:
+    # It accepts connections and says nothing: asking its model takes a full timeout.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        servers = [
+            ServerSpec(name="sim", url=sim.url),
+            ServerSpec(name="silent", url=f"http://127.0.0.1:{silent.getsockname()[1]}"),
+        ]
+        served = settings.model_copy(update={"servers": servers, "health_interval_s": 5.0})
+        with worker(served):
+            started = time.monotonic()
+            enqueue_file(served, write_jsonl(tmp_path / "d.jsonl", sample_rows(20)))
+            states = wait_settled(repo, timeout_s=60)
+            elapsed = time.monotonic() - started
+    assert states["done"] == 20
+    assert elapsed < 15, f"{elapsed:.1f} s for 20 short jobs"
+    with repo.engine.connect() as conn:
+        assert conn.scalar(text("SELECT count(*) FROM jobs WHERE last_error IS NOT NULL")) == 0
