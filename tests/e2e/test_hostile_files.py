@@ -136,3 +136,15 @@ def test_a_binary_file_and_an_empty_file_are_warnings_and_exit_1(
     good = write_jsonl(tmp_path / "good.jsonl", rows(5))
     assert enqueue(good, settings, dataset="g").returncode == 0
     assert enqueue(good, settings, dataset="g").returncode == 0
+
+
+def test_a_seeded_sample_of_a_broken_file_stores_nothing(
+    settings: Settings, tmp_path: Path
+) -> None:
+    # Any prefix of a sample of the whole file would not be that sample: nothing is stored.
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(rows(3000))[:-5000])
+    result = enqueue(path, settings, "--limit", "100", "--sample-seed", "1")
+    line = one_line_error(result)
+    assert "invalid JSON" in line and "a seeded sample needs the whole file" in line
+    assert jobs_stored(settings) == 0
