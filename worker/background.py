@@ -17,7 +17,7 @@ from celery import Celery
 from core import keys
 from worker.reconcile import reconcile
 from worker.runner import WorkerContext
-from worker.servers import identify, probe
+from worker.servers import probe
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ class Background:
     def start(self) -> None:
         """Start every loop (the heartbeat first, so `worker --check` sees us at once)."""
         s = self.ctx.settings
-        self.identify(timeout_s=5.0)  # a server that does not answer is asked again later
+        # What each server serves; one that does not answer is asked again from the loops.
+        self.ctx.router.identify_unknown(5.0, s.health_interval_s)
         self.beat()
         self._loop("heartbeat", s.heartbeat_interval_s, self.beat)
         self._loop("health", s.health_interval_s, self.check_health)
@@ -102,17 +103,10 @@ class Background:
             ex=max(1, int(3 * s.heartbeat_interval_s)),
         )
 
-    def identify(self, timeout_s: float | None = None) -> None:
-        """Ask each server whose model is not known yet what it serves."""
-        timeout = timeout_s or min(self.ctx.settings.health_interval_s * 3, 60.0)
-        for server in self.ctx.router.servers:
-            if server.served is None and (reason := identify(server, timeout)) is not None:
-                log.warning("server %s: its model is not known yet: %s", server.name, reason)
-
     def check_health(self) -> None:
         """Probe every attached server; stop consuming while none is up."""
         timeout = min(self.ctx.settings.health_interval_s * 3, 60.0)
-        self.identify()
+        self.ctx.router.identify_unknown(timeout, self.ctx.settings.health_interval_s)
         for server in self.ctx.router.servers:
             reason = probe(server, timeout)
             self.ctx.router.mark(server, healthy=reason is None, reason=reason or "")

@@ -25,7 +25,7 @@ from models.records import ClaimedJob, GenerationRecord, RunModel
 from models.repository import Repository
 from worker.reasoning import split_reasoning
 from worker.retry import AttemptError, Disposition, backoff, decide
-from worker.servers import Lease, Router, Server, identify, probe
+from worker.servers import Lease, Router, Server, probe
 from worker.sglang import SGLangClient
 from worker.slots import SlotPool
 from worker.validate import check_response
@@ -71,7 +71,6 @@ class WorkerContext:
     stopping: threading.Event = field(default_factory=threading.Event)
     # Runs none of this worker's servers may generate, with why (logged once per reason).
     unserved: dict[str, str] = field(default_factory=dict)
-    identifying: threading.Lock = field(default_factory=threading.Lock)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -133,7 +132,8 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
     if wanted is None:
         return Result(Outcome.NOT_CLAIMED)  # deleted with its run
     serving = [s for s in ctx.router.servers if s.serves(wanted) is None]
-    if not serving and _identify_unknown(ctx):
+    interval = ctx.settings.health_interval_s
+    if not serving and ctx.router.identify_unknown(min(interval, 5.0), interval):
         serving = [s for s in ctx.router.servers if s.serves(wanted) is None]
     if not serving:
         # Offered again (here or to another worker) after a health interval, as when every
@@ -149,20 +149,6 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
         return _claimed_attempt(ctx, job_id, lease)
     finally:
         ctx.router.release(lease)
-
-
-def _identify_unknown(ctx: WorkerContext) -> bool:
-    """Ask the servers whose model is not known yet, each at most once a health interval
-    (one thread asks, the others wait for its answer); whether there were any."""
-    if all(s.served is not None for s in ctx.router.servers):
-        return False
-    with ctx.identifying:
-        for server in ctx.router.servers:
-            if server.served is None and server.identify_after <= time.monotonic():
-                identify(server, timeout_s=min(ctx.settings.health_interval_s, 5.0))
-                # From the end of this try: the threads that waited for it do not ask again.
-                server.identify_after = time.monotonic() + ctx.settings.health_interval_s
-    return True
 
 
 def _unserved(ctx: WorkerContext, job_id: int, wanted: RunModel) -> None:

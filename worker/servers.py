@@ -31,7 +31,7 @@ class Server:
     held: set[str] = field(default_factory=set)
     # What /get_model_info said; until it has, the server generates nothing (see `serves`).
     served: Served | None = None
-    identify_after: float = 0.0  # monotonic time before which a worker thread does not ask
+    identify_after: float = 0.0  # monotonic time before which it is not asked again
 
     @property
     def name(self) -> str:
@@ -62,12 +62,33 @@ class Router:
         self._slots = slots
         self._poll_s = poll_s
         self._lock = threading.Lock()
+        self._identifying = threading.Lock()
         # Called after any server changes health (the worker pauses or resumes consuming).
         self.on_change: list[Callable[[], None]] = []
 
     def any_healthy(self) -> bool:
         """Whether at least one attached server is up."""
         return any(s.healthy for s in self.servers)
+
+    def identify_unknown(self, timeout_s: float, retry_after_s: float) -> bool:
+        """Ask the servers whose model is not known yet what they serve; whether any was.
+
+        One thread asks, the others wait for its answer; each server is asked at most once
+        per ``retry_after_s``, counted from the end of its last try, so a server that never
+        answers costs one timeout per interval, not one per waiting thread.
+        """
+        if all(s.served is not None for s in self.servers):
+            return False
+        with self._identifying:
+            for server in self.servers:
+                if server.served is None and server.identify_after <= time.monotonic():
+                    reason = identify(server, timeout_s)
+                    server.identify_after = time.monotonic() + retry_after_s
+                    if reason is not None:
+                        log.warning(
+                            "server %s: its model is not known yet: %s", server.name, reason
+                        )
+        return True
 
     def acquire(self, timeout_s: float, among: Sequence[Server] | None = None) -> Lease | None:
         """A slot on some healthy server (of ``among``, default all), waiting up to

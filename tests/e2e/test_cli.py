@@ -14,6 +14,7 @@ import pytest
 
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.stack import free_port
 from tests.helpers import sample_rows, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -204,9 +205,7 @@ def test_help_names_each_flags_environment_variable(command: list[str]) -> None:
 
 def test_up_through_a_pipe_returns(tmp_path: Path) -> None:
     data_dir = tmp_path / "stack"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
+    port = str(free_port())
     base = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
     try:
         # As `eaglegen up 2>&1 | tail` does: the pipe ends only when every process holding
@@ -251,9 +250,7 @@ def test_without_the_embedded_extra_the_error_is_one_line(command: str, tmp_path
 
 
 def test_every_command_refuses_an_unusable_service_in_one_line(tmp_path: Path) -> None:
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # nothing listens on it
     # The password in the userinfo, then as a query parameter (both drivers take either).
     for database, broker in (
         (f"postgresql://u:s3cret@127.0.0.1:{port}/db", f"redis://:s3cret@127.0.0.1:{port}/0"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 from core.settings import Settings
 from core.urls import redact
 from eaglegen.sim import SimServer
+from eaglegen.stack import free_port
 from models.repository import Repository
 from tests.helpers import PasswordRedis, enqueue_file, sample_rows, wait_settled, write_jsonl
 from tests.integration.test_worker_processes import live_pids, wait_for, worker_env, worker_process
@@ -75,9 +75,7 @@ def test_up_shows_no_password_anywhere(settings: Settings, tmp_path: Path) -> No
     broker.start()
     database = with_query_password(str(settings.database_url), PG_SECRET)
     data_dir = tmp_path / "stack"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
+    port = str(free_port())
     base = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
     up = [sys.executable, "-m", "eaglegen", "up", "--data-dir", str(data_dir)]
     try:

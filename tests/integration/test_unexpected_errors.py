@@ -56,7 +56,7 @@ class Hostile(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def log_message(self, *_: Any) -> None:
-        pass
+        """Quiet: http.server would print a line per request to stderr."""
 
 
 @contextmanager
