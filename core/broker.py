@@ -12,6 +12,10 @@ import redis
 from core import wire
 
 SCAN_CHUNK = 5000
+# One LPUSH carries at most this many bytes of messages: every command must fit the
+# server's client-query-buffer-limit (1 GB by default, 1 MB at the least one can set),
+# and no batch, however many jobs it publishes, is built whole in memory.
+PUSH_BYTES = 256 << 10
 
 
 class Publisher:
@@ -23,8 +27,19 @@ class Publisher:
         self._client = redis.Redis.from_url(broker_url)
 
     def publish(self, job_ids: Sequence[int]) -> int:
-        """Publish one message per id, in order (workers pop the oldest first)."""
-        return self._push([self._envelope(i).encode() for i in job_ids])
+        """Publish one message per id, in order (workers pop the oldest first), in
+        commands of at most PUSH_BYTES each."""
+        published = 0
+        batch: list[bytes] = []
+        size = 0
+        for job_id in job_ids:
+            message = self._envelope(job_id).encode()
+            if batch and size + len(message) > PUSH_BYTES:
+                published += self._push(batch)
+                batch, size = [], 0
+            batch.append(message)
+            size += len(message)
+        return published + self._push(batch)
 
     def publish_later(
         self, job_id: int, *, countdown: float, retries: int, task_id: str | None = None
@@ -67,6 +82,12 @@ class Publisher:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def redis_now(client: redis.Redis) -> float:
+    """Redis's clock, in seconds: the one clock of every host sharing this Redis."""
+    seconds, micros = client.time()
+    return seconds + micros / 1e6
 
 
 def waiting_job_ids(client: redis.Redis, queue: str) -> set[int]:

@@ -10,6 +10,11 @@ def slots(server: str) -> str:
     return f"{PREFIX}:slots:{server}"
 
 
+def server_name(name: str) -> str:
+    """The location of the server this name means, held while workers use the name."""
+    return f"{PREFIX}:server-name:{name}"
+
+
 def heartbeat(host: str, pid: int) -> str:
     """A worker process's heartbeat record (expires when the worker stops beating)."""
     return f"{PREFIX}:heartbeat:{host}:{pid}"

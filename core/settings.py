@@ -6,20 +6,26 @@ resolves them once into ``Services``, which is what everything below it is hande
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.urls import normalize_database_url, redact
 
 
 class ServerSpec(BaseModel):
-    """One SGLang server a worker may call."""
+    """One SGLang server a worker may call.
 
-    name: str
+    Its name keys the in-flight limit all workers share and is stored with each generation,
+    so one name must mean one server in the whole cluster: a server given without a name
+    is named by where it is (``host:port``, a loopback host by this machine's name).
+    """
+
+    name: str = ""
     url: str
     numa_node: int | None = None
     max_inflight: int | None = Field(default=None, ge=1)
@@ -30,6 +36,31 @@ class ServerSpec(BaseModel):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"server url must start with http:// or https://, got {value!r}")
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _default_name(self) -> ServerSpec:
+        if not self.name:
+            self.name = server_location(self.url)
+        return self
+
+    @property
+    def location(self) -> str:
+        """Where this server is, the same string on every host that calls it."""
+        return server_location(self.url)
+
+
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0"})
+
+
+def server_location(url: str) -> str:
+    """``host:port`` of a server URL, a loopback host replaced by this machine's name (the
+    same ``localhost:30000`` on two hosts is two servers)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if host in _LOOPBACK or host.startswith("127."):
+        host = socket.gethostname()
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Settings(BaseSettings):
@@ -50,6 +81,13 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(default=8, ge=1, le=256)
     max_attempts: int = Field(default=5, ge=1)
     request_timeout_s: float = Field(default=3600.0, gt=0)
+    # Longest a request may go without progress once the server answered (see
+    # worker.sglang): a stuck or dripping server fails the attempt after this, not after
+    # request_timeout_s.
+    stall_timeout_s: float = Field(default=300.0, gt=0)
+    # A /generate body larger than this fails the attempt unread: far above any legal
+    # answer (the ids and text of a whole context window).
+    max_response_bytes: int = Field(default=64 << 20, ge=1 << 16)
     lease_seconds: int = Field(default=600, ge=2)
     queue: str = "eaglegen"
     # In-flight limit per server when its spec sets none (all workers and hosts together).
@@ -77,6 +115,16 @@ class Settings(BaseSettings):
                 "(or pass --database-url/--broker-url)"
             )
         return Services(self.database_url, self.broker_url)
+
+    @field_validator("servers")
+    @classmethod
+    def _one_server_per_name(cls, value: list[ServerSpec]) -> list[ServerSpec]:
+        seen: dict[str, str] = {}
+        for spec in value:
+            other = seen.setdefault(spec.name, spec.url)
+            if other != spec.url:
+                raise ValueError(f"server name {spec.name!r} given for {other} and {spec.url}")
+        return value
 
     @field_validator("database_url")
     @classmethod

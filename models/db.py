@@ -14,7 +14,12 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 
 
 def make_engine(
-    url: str, *, pool_size: int = 5, max_overflow: int | None = None, async_commit: bool = False
+    url: str,
+    *,
+    pool_size: int = 5,
+    max_overflow: int | None = None,
+    async_commit: bool = False,
+    hold_limit_ms: int | None = None,
 ) -> Engine:
     """A pooled engine whose connections are checked before use (Postgres may restart).
 
@@ -23,8 +28,20 @@ def make_engine(
     ``async_commit`` turns off the wait for the WAL flush at commit. Workers may: a commit
     lost in a Postgres crash leaves the job running under a lease, the reconciler queues it
     again, and it is generated again; nothing is recorded twice or half.
+    ``hold_limit_ms`` bounds how long a session may wait for a row lock and sit idle inside
+    a transaction (Postgres ends it then, which releases its locks): a process frozen
+    mid-transaction (SIGSTOP, a VM pause, a swap storm) must not hold a dataset's ledger
+    row, which every claim and record of that dataset updates, for as long as it is frozen.
     """
-    options = {"options": "-c synchronous_commit=off"} if async_commit else {}
+    settings = []
+    if async_commit:
+        settings.append("synchronous_commit=off")
+    if hold_limit_ms is not None:
+        settings += [
+            f"lock_timeout={hold_limit_ms}",
+            f"idle_in_transaction_session_timeout={hold_limit_ms}",
+        ]
+    options = {"options": " ".join(f"-c {s}" for s in settings)} if settings else {}
     return create_engine(
         normalize_database_url(url),
         pool_size=pool_size,

@@ -178,7 +178,7 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
     if job is None:
         raise _Rollback("not_queued")
     ds = conn.execute(
-        select(Dataset.sampling_params, Dataset.budget_basis, Run.think_end_id)
+        select(Dataset.sampling_params, Dataset.budget_basis, Run.think_end_id, Run.vocab_size)
         .join(Run, Run.id == Dataset.run_id)
         .where(Dataset.id == job.dataset_id)
     ).one()
@@ -219,6 +219,7 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
             attempts=int(job.attempts),
             reserved_tokens=need,
             think_end_id=ds.think_end_id if job.opens_reasoning else None,
+            vocab_size=ds.vocab_size,
         ),
     )
 

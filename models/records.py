@@ -24,6 +24,7 @@ class RunSpec:
     max_context_len: int | None = None
     package_versions: dict[str, str] = field(default_factory=dict)
     think_end_id: int | None = None
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ class ClaimedJob:
     reserved_tokens: int = 0
     # The think-end id its output must hold: set when its prompt opens a reasoning block.
     think_end_id: int | None = None
+    # Output ids must be below it (the run's tokenizer size; None for runs before 0006).
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)

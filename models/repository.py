@@ -7,7 +7,7 @@ from operator import itemgetter
 from typing import Any
 
 import psycopg
-from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy import Engine, and_, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import OperationalError
 
@@ -120,18 +120,24 @@ class Repository(JobQueries, BudgetQueries, AuditQueries):
                     max_context_len=spec.max_context_len,
                     package_versions=spec.package_versions,
                     think_end_id=spec.think_end_id,
+                    vocab_size=spec.vocab_size,
                 )
                 .on_conflict_do_nothing(index_elements=[Run.name])
             )
-            # A run created before think-end ids were recorded for every think pair (0005).
+            # A run created before think-end ids were recorded for every think pair (0005)
+            # or before its tokenizer's size was (0006): the same tokenizer fills them in.
+            same_tokenizer = and_(
+                Run.name == spec.name, Run.tokenizer_sha256 == spec.tokenizer_sha256
+            )
             conn.execute(
                 update(Run)
-                .where(
-                    Run.name == spec.name,
-                    Run.think_end_id.is_(None),
-                    Run.tokenizer_sha256 == spec.tokenizer_sha256,
-                )
+                .where(same_tokenizer, Run.think_end_id.is_(None))
                 .values(think_end_id=spec.think_end_id)
+            )
+            conn.execute(
+                update(Run)
+                .where(same_tokenizer, Run.vocab_size.is_(None))
+                .values(vocab_size=spec.vocab_size)
             )
             row = conn.execute(
                 select(

@@ -54,6 +54,8 @@ class Run(Base):
     # Set when the generation prompt ends with the think-start token: the model must then
     # emit this think-end token before its answer.
     think_end_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # len(tokenizer): every output id a worker stores is in [0, vocab_size).
+    vocab_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = _now()
 
 

@@ -145,6 +145,7 @@ def run_spec(plan: RunPlan, templater: Templater) -> RunSpec:
         max_context_len=plan.max_context_len,
         package_versions=package_versions(),
         think_end_id=templater.think_end_id(),
+        vocab_size=templater.vocab_size(),
     )
 
 

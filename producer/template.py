@@ -173,6 +173,11 @@ class Templater:
         encoded = self.tokenizer(list(texts), add_special_tokens=False)
         return [list(ids) for ids in encoded["input_ids"]]
 
+    def vocab_size(self) -> int:
+        """How many ids the tokenizer decodes, added tokens included: every output id a
+        worker stores must be below it."""
+        return len(self.tokenizer)
+
     def think_end_id(self) -> int | None:
         """The think-end id of the tokenizer's think pair (None without one): what the
         worker looks for in the output of a job whose prompt opens a reasoning block."""

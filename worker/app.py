@@ -121,6 +121,10 @@ def start(
     logging.getLogger("httpx").setLevel(logging.WARNING if quiet else logging.DEBUG)
     app, holder = create_worker_app(settings, services, servers)
     ctx = holder.get()
+    conflicts = ctx.hold_server_names()
+    if conflicts:
+        holder.close()
+        raise ValueError(conflicts[0])
     log.warning(
         "worker %s: at most %d Postgres connections (EAGLEGEN_DB_POOL_SIZE), %d threads",
         ctx.name,

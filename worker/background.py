@@ -7,7 +7,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +14,9 @@ import redis
 from celery import Celery
 
 from core import keys
+from core.broker import redis_now
 from worker.reconcile import reconcile
-from worker.runner import WorkerContext
+from worker.runner import WorkerContext, heartbeat_ttl
 from worker.servers import probe
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,8 @@ class Background:
             "nodename": self.nodename,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "ts": time.time(),
+            # Redis's clock, the one every reader compares it with (hosts' clocks differ).
+            "ts": redis_now(self.ctx.redis),
             "in_flight": len(self.ctx.running_jobs()),
             "consuming": self.consuming,
             "db_pool": s.db_pool_size,
@@ -100,8 +101,10 @@ class Background:
         self.ctx.redis.set(
             keys.heartbeat(socket.gethostname(), os.getpid()),
             json.dumps(record),
-            ex=max(1, int(3 * s.heartbeat_interval_s)),
+            ex=heartbeat_ttl(s),
         )
+        for conflict in self.ctx.hold_server_names():
+            log.error("%s", conflict)
 
     def check_health(self) -> None:
         """Probe every attached server; stop consuming while none is up."""

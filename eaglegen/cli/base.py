@@ -93,12 +93,13 @@ def load_settings(**flags: Any) -> Settings:
 
 
 def parse_servers(values: list[str]) -> list[ServerSpec]:
-    """``--server URL`` or ``--server NAME=URL`` flags as server specs."""
+    """``--server URL`` or ``--server NAME=URL`` flags as server specs (an unnamed server
+    is named by its location, see ServerSpec)."""
     servers = []
-    for index, value in enumerate(values):
+    for value in values:
         name, sep, url = value.partition("=")
-        if not sep:
-            name, url = f"server{index}", value
+        if not sep or "://" in name:
+            name, url = "", value
         servers.append(ServerSpec(name=name, url=url))
     return servers
 

@@ -34,7 +34,7 @@ def test_a_migrated_database_and_a_live_redis_pass(database_url: str, broker_url
     ("revision", "message"),
     [
         (None, "no eaglegen schema in this database; run `eaglegen db upgrade`"),
-        ("0002", "schema at revision 0002, this eaglegen needs 0005; run `eaglegen db upgrade`"),
+        ("0002", "schema at revision 0002, this eaglegen needs 0006; run `eaglegen db upgrade`"),
         ("9999", "schema at revision 9999, which this eaglegen does not know"),
     ],
 )

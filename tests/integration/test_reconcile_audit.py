@@ -10,8 +10,9 @@ import psycopg
 import pytest
 import redis
 
-from core.broker import Publisher, waiting_job_ids
+from core.broker import PUSH_BYTES, Publisher, waiting_job_ids
 from core.settings import Settings
+from eaglegen.stack import EmbeddedRedis
 from models.records import GenerationRecord
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, write_jsonl
@@ -86,3 +87,29 @@ def test_audit_passes_on_a_clean_run_and_names_a_broken_ledger(
         conn.execute("UPDATE datasets SET used_tokens = used_tokens + 5")
     problems = repo.audit(lease_grace_s=60)
     assert any("used_tokens 7 != 2 recorded" in p for p in problems), problems
+
+
+def test_reconciler_republishes_in_bounded_commands(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    # Redis restarted empty under N queued jobs: the messages go back in LPUSHes of at most
+    # PUSH_BYTES each, not in one command of all N built whole in memory (a million jobs
+    # would be a ~1 GB command, at the server's client-query-buffer-limit).
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3000)]
+    enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", rows))
+    ids = repo.job_ids()
+    server = EmbeddedRedis(tmp_path / "private")  # its own command counts
+    server.start()
+    client = redis.Redis.from_url(server.url)
+    try:
+        with Publisher(server.url, settings.queue) as publisher:
+            report = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
+        assert report.republished == len(ids) == 3000
+        assert waiting_job_ids(client, settings.queue) == set(ids)
+        total = sum(len(m) for m in client.lrange(settings.queue, 0, -1))
+        calls = client.info("commandstats")["cmdstat_lpush"]["calls"]
+        assert total > 2 << 20  # ~1 KB a message
+        assert calls >= total / PUSH_BYTES
+    finally:
+        client.close()
+        server.stop()

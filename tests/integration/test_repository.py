@@ -213,3 +213,17 @@ def test_a_run_without_a_recorded_think_end_gets_it_from_the_same_tokenizer(
     assert stored() is None  # another tokenizer says nothing about this run's
     assert repo.ensure_run(RunSpec("r", "/tok", "a" * 64, "b" * 64, "tiny", think_end_id=10))
     assert stored() == 10
+
+
+def test_a_run_records_its_vocabulary_and_a_claim_carries_it(repo: Repository) -> None:
+    # Runs created before 0006 have none: the same tokenizer fills it in, another does not.
+    run_id = repo.ensure_run(RunSpec("r", "/tok", "a" * 64, "b" * 64, "tiny"))
+    with pytest.raises(RunMismatchError):
+        repo.ensure_run(RunSpec("r", "/tok", "c" * 64, "b" * 64, "tiny", vocab_size=99))
+    repo.ensure_run(RunSpec("r", "/tok", "a" * 64, "b" * 64, "tiny", vocab_size=4100))
+    with repo.engine.connect() as conn:
+        assert conn.scalar(select(Run.vocab_size).where(Run.id == run_id)) == 4100
+    dataset = repo.ensure_dataset(run_id, DatasetSpec("d", "d.jsonl", {"max_new_tokens": 8}))
+    [job_id] = repo.insert_jobs(dataset, [NewJob(0, [1, 2, 3], None)])
+    claim = repo.claim(job_id, "w", lease_seconds=60)
+    assert claim.job is not None and claim.job.vocab_size == 4100

@@ -42,5 +42,9 @@ def test_flags_override_env_and_env_overrides_the_stack_file(
 
 
 def test_server_flags_accept_names() -> None:
-    servers = parse_servers(["http://a:1/", "gpu1=http://b:2"])
-    assert [(s.name, s.url) for s in servers] == [("server0", "http://a:1"), ("gpu1", "http://b:2")]
+    servers = parse_servers(["http://a:1/", "gpu1=http://b:2", "http://c:3/?x=y"])
+    assert [(s.name, s.url) for s in servers] == [
+        ("a:1", "http://a:1"),  # unnamed: by where it is, the same on every host
+        ("gpu1", "http://b:2"),
+        ("c:3", "http://c:3/?x=y"),
+    ]

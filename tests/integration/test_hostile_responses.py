@@ -1,0 +1,118 @@
+"""Nothing a server sends is stored unchecked: a body that breaks a check fails the attempt
+with the reason, and no generation is stored (issue: trust nothing a server sends)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.settings import ServerSpec, Settings
+from eaglegen.assets import TOKENIZER_DIR
+from models.repository import Repository
+from models.states import JobState
+from producer.template import Templater
+from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
+from tests.hostile import Answer, Behaviour, good, hostile_server
+from tests.integration.test_pipeline import worker
+
+VOCAB = Templater(TOKENIZER_DIR).vocab_size()
+LIMIT = 1 << 20  # max_response_bytes in these tests
+MAX_NEW = 16
+
+
+def endless(request: dict[str, Any]) -> Answer:
+    """A body that never ends (500 MB and more), with no Content-Length to refuse it by."""
+    return Answer(stream=itertools.repeat(b"[" * 65536))
+
+
+def drip(request: dict[str, Any]) -> Answer:
+    """A correct answer sent a byte every 50 ms: minutes for the body, each byte well
+    within any read timeout."""
+    return Answer(good(request).body, pause_s=0.05)
+
+
+CASES: dict[str, tuple[Callable[[dict[str, Any]], Answer], str]] = {
+    "negative id": (lambda r: good(r, [5, -7, 4]), "output id -7 is negative"),
+    "id beyond the vocabulary": (
+        lambda r: good(r, [5, VOCAB, 4]),
+        f"output id {VOCAB} is beyond the tokenizer's {VOCAB} ids",
+    ),
+    "JSON booleans": (lambda r: good(r, [5, True, 4]), "not a list of integers"),
+    "more ids than max_new_tokens": (
+        lambda r: good(r, [5] * MAX_NEW + [4]),
+        f"completion_tokens={MAX_NEW + 1} > max_new_tokens={MAX_NEW}",
+    ),
+    "another request's answer": (
+        lambda r: good(r, id=str(int(r["rid"]) + 1)),
+        "response for request",
+    ),
+    "a body without end": (endless, f"over max_response_bytes={LIMIT}"),
+    "a dripping server": (drip, "a stalled or dripping server"),
+}
+
+
+@pytest.fixture
+def hostile(settings: Settings) -> Iterator[tuple[Settings, Behaviour]]:
+    behaviour = Behaviour()
+    with hostile_server(behaviour) as url:
+        yield (
+            settings.model_copy(
+                update={
+                    "servers": [ServerSpec(name="hostile", url=url)],
+                    "max_attempts": 2,
+                    "retry_base_s": 0.1,
+                    "max_response_bytes": LIMIT,
+                    "stall_timeout_s": 2.0,
+                    "request_timeout_s": 600.0,
+                }
+            ),
+            behaviour,
+        )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_response_that_breaks_a_check_is_never_stored(
+    case: str, hostile: tuple[Settings, Behaviour], repo: Repository, tmp_path: Path
+) -> None:
+    settings, behaviour = hostile
+    answer, reason = CASES[case]
+    behaviour.answer = answer
+    started = time.monotonic()
+    with worker(settings):
+        enqueue_file(
+            settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(1)), max_new_tokens=MAX_NEW
+        )
+        states = wait_settled(repo, timeout_s=60)
+    elapsed = time.monotonic() - started
+    [job_id] = repo.job_ids()
+    job = repo.job(job_id)
+    assert job is not None
+    assert states[JobState.FAILED.value] == 1, job
+    assert reason in job["last_error"]
+    assert repo.generation(job_id) is None
+    # Refused when it was seen, not after a request timeout (600 s here).
+    assert elapsed < 30
+    if case == "a body without end":
+        # Read no further than the limit (plus what socket buffers took in meanwhile).
+        assert behaviour.bytes_sent < behaviour.requests * 16 * LIMIT
+
+
+def test_a_good_answer_from_the_same_server_is_stored(
+    hostile: tuple[Settings, Behaviour], repo: Repository, tmp_path: Path
+) -> None:
+    # The control: the hostile server's own good answer passes every check.
+    settings, _ = hostile
+    with worker(settings):
+        enqueue_file(
+            settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(1)), max_new_tokens=MAX_NEW
+        )
+        states = wait_settled(repo, timeout_s=60)
+    assert states[JobState.DONE.value] == 1
+    [job_id] = repo.job_ids()
+    generation = repo.generation(job_id)
+    assert generation is not None and generation["output_ids"] == [5, 6, 4]
