@@ -84,6 +84,20 @@ class Publisher:
         self.close()
 
 
+def eviction_warning(client: redis.Redis) -> str | None:
+    """What to do when Redis may evict keys under memory pressure (queued messages among
+    them, silently), else None. Read from INFO, which managed Redis allows where CONFIG is
+    refused."""
+    policy = client.info("memory").get("maxmemory_policy")
+    if policy in (None, "noeviction"):
+        return None
+    return (
+        f"Redis maxmemory-policy is {policy}: under memory pressure it drops queued messages "
+        "without a word (the reconciler publishes them again from Postgres, late); set "
+        "maxmemory-policy noeviction"
+    )
+
+
 def redis_now(client: redis.Redis) -> float:
     """Redis's clock, in seconds: the one clock of every host sharing this Redis."""
     seconds, micros = client.time()

@@ -11,6 +11,7 @@ from typing import Any
 from celery import Celery, Task
 from celery.signals import worker_shutting_down
 
+from core.broker import eviction_warning
 from core.settings import ServerSpec, Services, Settings
 from core.wire import TASK_GENERATE
 from worker.background import Background
@@ -125,6 +126,8 @@ def start(
     if conflicts:
         holder.close()
         raise ValueError(conflicts[0])
+    if (eviction := eviction_warning(ctx.redis)) is not None:
+        log.warning("%s", eviction)
     log.warning(
         "worker %s: at most %d Postgres connections (EAGLEGEN_DB_POOL_SIZE), %d threads",
         ctx.name,
