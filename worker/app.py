@@ -8,8 +8,10 @@ import socket
 import threading
 from typing import Any
 
+import redis
 from celery import Celery, Task
-from celery.signals import worker_shutting_down
+from celery.signals import worker_shutdown, worker_shutting_down
+from celery.worker import worker as celery_worker
 
 from core.broker import eviction_warning
 from core.settings import ServerSpec, Services, Settings
@@ -115,8 +117,9 @@ def start(
     servers: list[ServerSpec] | None = None,
     info: dict[str, Any] | None = None,
     loglevel: str = "INFO",
-) -> None:
-    """Run a worker in this process until SIGTERM/SIGINT, then shut down with a grace period."""
+) -> int:
+    """Run a worker in this process until SIGTERM/SIGINT, then shut down with a grace period;
+    the exit code (non-zero when Celery stopped on an unrecoverable error)."""
     # httpx logs every request at INFO: hundreds of lines a second from a busy worker.
     quiet = logging.getLevelName(loglevel.upper()) != logging.DEBUG
     logging.getLogger("httpx").setLevel(logging.WARNING if quiet else logging.DEBUG)
@@ -138,11 +141,61 @@ def start(
     background = Background(ctx, app, name, info)
     background.start()
     _on_shutdown(ctx)
+    ending = _Ending()
+    celery_worker.logger.addFilter(ending)  # the logger of its "Unrecoverable error"
+    worker_shutdown.connect(ending.shutdown, weak=False)
     try:
         app.worker_main(worker_argv(settings, hostname=name, loglevel=loglevel))
     finally:
         background.stop()
+        if held := release_held(ctx):
+            log.warning("worker stopping: released %s job(s) it still held: %s", len(held), held)
         holder.close()
+    # worker_main drops Celery's exit code: a worker stopped by an unrecoverable error
+    # (Redis refusing writes, say) would exit 0, and a supervisor that restarts on failure
+    # would leave it down.
+    if ending.exitcode:
+        log.error("worker stopped (exit %d): %s", ending.exitcode, ending.cause or "see above")
+    return ending.exitcode
+
+
+class _Ending(logging.Filter):
+    """How Celery's worker ended: its exit code (from the worker_shutdown signal, whose
+    sender is the worker) and the last CRITICAL line it logged (its "Unrecoverable error")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exitcode = 0
+        self.cause = ""
+
+    def shutdown(self, sender: Any = None, **_: Any) -> None:
+        """worker_shutdown receiver."""
+        self.exitcode = int(getattr(sender, "exitcode", 0) or 0)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Remember, never drop."""
+        if record.levelno >= logging.CRITICAL:
+            error = record.exc_info[1] if record.exc_info else None
+            text = f"{type(error).__name__}: {error}" if error else record.getMessage()
+            self.cause = " ".join(text.split())[:500]
+        return True
+
+
+def release_held(ctx: WorkerContext) -> list[int]:
+    """Give back every job this process still holds, in any phase, without spending an
+    attempt, and its slots; the released ids. A publish Redis refuses is left to the
+    reconciler, which publishes queued jobs without a message from Postgres."""
+    released = [
+        j
+        for j in ctx.running_jobs()
+        if ctx.repo.release(j, ctx.name, "worker stopped before the request finished", refund=True)
+    ]
+    try:
+        ctx.publisher.publish(released)
+        ctx.router.release_all()  # else other workers lose these slots for slot_lease_seconds
+    except redis.RedisError as exc:
+        log.warning("released jobs not published (%s): the reconciler will", exc)
+    return released
 
 
 def _on_shutdown(ctx: WorkerContext) -> None:
@@ -150,16 +203,7 @@ def _on_shutdown(ctx: WorkerContext) -> None:
     give their claims back (without spending an attempt) and exit."""
 
     def abandon() -> None:
-        jobs = ctx.running_jobs()
-        released = [
-            j
-            for j in jobs
-            if ctx.repo.release(
-                j, ctx.name, "worker stopped before the request finished", refund=True
-            )
-        ]
-        ctx.publisher.publish(released)
-        ctx.router.release_all()  # else other workers lose these slots for slot_lease_seconds
+        released = release_held(ctx)
         log.warning("grace period over: released %s running job(s): %s", len(released), released)
         # Celery's cold shutdown would still join the pool's threads, which wait on their
         # requests: leave now. Our messages stay unacked; Redis redelivers them later and

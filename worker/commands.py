@@ -32,8 +32,7 @@ def run_worker(
     from worker.app import start
 
     if numa_spec is None:
-        start(settings, services)
-        return 0
+        return start(settings, services)
     topology = numa.read_topology(sysfs_root)
     nodes = numa.resolve_nodes(numa_spec, topology)
     if len(nodes) > 1:
@@ -47,8 +46,7 @@ def run_worker(
     servers = numa.servers_for_node(settings.servers, node.id)
     pinned = numa.pin_to_node(node)
     log.warning("worker pinned: %s; servers: %s", pinned, ", ".join(s.name for s in servers))
-    start(settings, services, servers=servers, info=pinned.as_dict())
-    return 0
+    return start(settings, services, servers=servers, info=pinned.as_dict())
 
 
 def _supervise(nodes: list[int], argv_rest: list[str], env: dict[str, str]) -> int:

@@ -10,8 +10,11 @@ import pytest
 import redis
 
 from core.settings import Settings
-from eaglegen.sim import SimServer
+from eaglegen.sim import SimConfig, SimServer
 from eaglegen.stack import EmbeddedRedis
+from models.states import JobState
+from tests.faults.harness import make_repo
+from tests.helpers import enqueue_file, write_jsonl
 from tests.integration.test_worker_processes import eaglegen, wait_for, worker_env, worker_process
 
 WARNING = "Redis maxmemory-policy is allkeys-lru"
@@ -51,3 +54,45 @@ def test_a_worker_on_an_evicting_redis_says_so_at_start(
     log = tmp_path / "worker.log"
     with worker_process(env, log):
         wait_for(lambda: WARNING in " ".join(log.read_text().split()), 60, "the warning", log)
+
+
+def test_a_worker_whose_redis_refuses_writes_exits_non_zero_saying_why(
+    settings: Settings, tmp_path: Path
+) -> None:
+    # Jobs flowing (a slow server keeps the worker fetching), then Redis fills up
+    # (noeviction): Celery stops on an unrecoverable OutOfMemoryError. Before, the process
+    # exited 0, and a supervisor restarting on failure left it down.
+    server = EmbeddedRedis(tmp_path / "full")
+    server.start()
+    client = redis.Redis.from_url(server.url)
+    try:
+        with SimServer(SimConfig(decode_step_ms=20.0, decode_ms_per_request=0.0)) as slow:
+            full = settings.model_copy(update={"broker_url": server.url})
+            rows = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(300)]
+            enqueue_file(full, write_jsonl(tmp_path / "d.jsonl", rows), max_new_tokens=64)
+            env = {
+                **worker_env(full, [{"name": "slow", "url": slow.url}]),
+                "EAGLEGEN_WORKER_CONCURRENCY": "4",
+            }
+            log = tmp_path / "worker.log"
+            with worker_process(env, log) as process:
+                wait_for(lambda: _count(full, JobState.DONE) > 0, 60, "a job done", log)
+                client.config_set("maxmemory", "1")  # every write refused from now on
+                code = process.wait(timeout=120)
+            # No job it held waits out a lease (600 s): each is back in the queue or done.
+            assert _count(full, JobState.RUNNING) == 0
+    finally:
+        client.close()
+        server.stop()
+    text = " ".join(log.read_text().split())
+    assert code != 0, text[-2000:]
+    assert "worker stopped (exit 1): OutOfMemoryError: " in text
+    assert "used memory > 'maxmemory'" in text
+
+
+def _count(settings: Settings, state: JobState) -> int:
+    repo = make_repo(settings)
+    try:
+        return sum(c.states.get(state.value, 0) for c in repo.counts())
+    finally:
+        repo.engine.dispose()
