@@ -113,6 +113,20 @@ def enqueue(
         raise typer.Exit(1)
 
 
+def _stored(target: Services, run: str) -> str:
+    """How many jobs of ``run`` Postgres holds (best effort: this explains an error)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from eaglegen.cli.base import repository
+
+    try:
+        with repository(target.database_url) as repo:
+            total = sum(sum(c.states.values()) for c in repo.counts(run))
+    except SQLAlchemyError:
+        return "what was stored stays in Postgres"
+    return f"Postgres holds {total} job(s) of run {run!r}, some of them not published"
+
+
 def _enqueue_or_explain(
     settings: Settings, target: Services | None, plan: RunPlan, workers: int | None
 ) -> RunReport:
@@ -132,6 +146,14 @@ def _enqueue_or_explain(
             "a template worker process died (killed, or out of memory?). What was stored "
             "stays; run the same enqueue again, with --workers 0 to template in one process"
         ) from exc
+    except redis.OutOfMemoryError as exc:
+        assert target is not None  # a dry run touches no service
+        raise ValueError(
+            f"Redis at {redact(target.broker_url)} refused to store more messages (maxmemory "
+            f"reached, policy noeviction): {_stored(target, plan.run)}. Free memory in Redis or "
+            "raise its maxmemory, run the same enqueue again to add the rest, then `eaglegen "
+            "reconcile --republish-after 0` to publish the jobs stored but not yet published"
+        ) from exc
     except (OperationalError, redis.ConnectionError) as exc:
         assert target is not None  # a dry run touches no service
         postgres = isinstance(exc, OperationalError)
@@ -142,6 +164,6 @@ def _enqueue_or_explain(
         reason = scrub(reason, url)
         raise ValueError(
             f"lost {service} at {redact(url)} mid-run: {reason}. What was stored stays; run "
-            "the same enqueue again to add the rest, then `eaglegen reconcile` to publish "
-            "jobs stored but not yet published"
+            "the same enqueue again to add the rest, then `eaglegen reconcile --republish-after "
+            "0` to publish jobs stored but not yet published"
         ) from exc

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from eaglegen.cli.base import (
@@ -23,6 +25,13 @@ app = typer.Typer()
 
 @command(app)
 def reconcile(
+    republish_after: Annotated[
+        float | None,
+        typer.Option(
+            help="Publish queued jobs unchanged this many seconds and missing from Redis "
+            "(default EAGLEGEN_REPUBLISH_AFTER_S); 0 once no enqueue is running"
+        ),
+    ] = None,
     json_out: JsonFlag = False,
     database_url: DatabaseUrl = None,
     broker_url: BrokerUrl = None,
@@ -34,7 +43,12 @@ def reconcile(
     from core.broker import Publisher
     from worker.reconcile import reconcile as run_reconcile
 
-    settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
+    settings = load_settings(
+        database_url=database_url,
+        broker_url=broker_url,
+        data_dir=data_dir,
+        republish_after_s=republish_after,
+    )
     live = services(settings)
     with (
         repository(live.database_url) as repo,

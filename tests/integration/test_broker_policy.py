@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from core.settings import Settings
+from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.sim import SimConfig, SimServer
 from eaglegen.stack import EmbeddedRedis
 from models.states import JobState
@@ -96,3 +97,41 @@ def _count(settings: Settings, state: JobState) -> int:
         return sum(c.states.get(state.value, 0) for c in repo.counts())
     finally:
         repo.engine.dispose()
+
+
+def test_enqueue_into_a_full_redis_says_what_is_stored_and_how_to_finish(
+    settings: Settings, tmp_path: Path
+) -> None:
+    server = EmbeddedRedis(tmp_path / "full")
+    server.start()
+    client = redis.Redis.from_url(server.url)
+    try:
+        client.config_set("maxmemory", "1")  # full: every write refused (noeviction)
+        full = settings.model_copy(update={"broker_url": server.url})
+        rows = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(50)]
+        data = write_jsonl(tmp_path / "d.jsonl", rows)
+        env = worker_env(full, [])
+        result = eaglegen(
+            env,
+            "enqueue",
+            str(data),
+            "--run",
+            "r",
+            "--dataset",
+            "d",
+            "--tokenizer",
+            str(TOKENIZER_DIR),
+        )
+        assert result.returncode == 2
+        assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1
+        message = " ".join(result.stderr.split())
+        assert "refused to store more messages (maxmemory reached" in message
+        assert "Postgres holds 50 job(s) of run 'r'" in message
+        assert "`eaglegen reconcile --republish-after 0`" in message
+        # Following the advice finishes the job: every stored job gets its message.
+        client.config_set("maxmemory", "0")
+        assert eaglegen(env, "reconcile", "--republish-after", "0").returncode == 0
+        assert client.llen(settings.queue) == 50
+    finally:
+        client.close()
+        server.stop()
