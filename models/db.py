@@ -6,7 +6,9 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from psycopg import errors as pg_errors
 from sqlalchemy import Engine, create_engine
+from sqlalchemy.exc import DBAPIError
 
 from core.urls import normalize_database_url
 
@@ -49,6 +51,11 @@ def make_engine(
         pool_pre_ping=True,
         connect_args=options,
     )
+
+
+def is_lock_timeout(error: BaseException) -> bool:
+    """Whether a statement failed because it waited longer than lock_timeout for a lock."""
+    return isinstance(error, DBAPIError) and isinstance(error.orig, pg_errors.LockNotAvailable)
 
 
 def alembic_config(url: str) -> Config:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +38,11 @@ DataDir = Annotated[Path | None, typer.Option(envvar="EAGLEGEN_DATA_DIR", help="
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+# How long a command's statement waits for a row lock before it tries again, and for how
+# long it tries (see with_lock_retries).
+CONTROL_LOCK_MS = 2000
+CONTROL_RETRY_S = 30.0
 # pydantic's ValidationError and the project's InputError and ServiceError are ValueErrors.
 FORESEEABLE = (ValueError, OSError, MissingExtraError)
 
@@ -130,13 +136,39 @@ def database(settings: Settings, *, check_schema: bool = True) -> str:
     return settings.database_url
 
 
+def with_lock_retries(action: Callable[[], T], what: str) -> T:
+    """Run ``action``, again while it fails on a lock held by others, for CONTROL_RETRY_S;
+    then a ValueError saying nothing was changed. Under load the workers hold a dataset's
+    row for milliseconds at a time, so one of the tries gets in between."""
+    from models.db import is_lock_timeout
+
+    deadline = time.monotonic() + CONTROL_RETRY_S
+    told = False
+    while True:
+        try:
+            return action()
+        except Exception as exc:
+            if not is_lock_timeout(exc):
+                raise
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"{what} stayed locked for {CONTROL_RETRY_S:g} s (a stuck or frozen session "
+                    "holds it; see pg_stat_activity): nothing was changed; run it again"
+                ) from exc
+            if not told:
+                err.print(f"{escape(what)} is busy; retrying for up to {CONTROL_RETRY_S:g} s")
+                told = True
+
+
 @contextmanager
 def repository(database_url: str) -> Iterator[Repository]:
     """A repository on one pooled connection, disposed of afterwards."""
     from models.db import make_engine
     from models.repository import Repository
 
-    engine = make_engine(database_url, pool_size=1)
+    # A command waits at most CONTROL_LOCK_MS for a row lock, then retries (with_lock_retries):
+    # a server session left waiting by a client that went away (Ctrl-C) ends by itself.
+    engine = make_engine(database_url, pool_size=1, hold_limit_ms=CONTROL_LOCK_MS)
     try:
         yield Repository(engine)
     finally:

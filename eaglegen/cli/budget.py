@@ -20,6 +20,7 @@ from eaglegen.cli.base import (
     load_settings,
     repository,
     services,
+    with_lock_retries,
 )
 
 app = typer.Typer(no_args_is_help=True, help="Per-dataset token budgets, live.")
@@ -62,7 +63,9 @@ def set_budget(
     budget = parse_tokens(amount)
     live = services(settings)
     with repository(live.database_url) as repo:
-        requeued = repo.set_budget(run, dataset, budget)
+        requeued = with_lock_retries(
+            lambda: repo.set_budget(run, dataset, budget), f"dataset {dataset!r}"
+        )
     with Publisher(live.broker_url, settings.queue) as publisher:
         publisher.publish(requeued)
     if json_out:

@@ -17,6 +17,12 @@ _FAULT_FIELDS = (
     "drop_rate",
     "malformed_rate",
     "leak_prompt_tokens",
+    "stall_rate",
+    "stall_after_chunks",
+    "drip_rate",
+    "drip_interval_ms",
+    "drip_bytes",
+    "broken_tool_args_rate",
     "seed",
     "unhealthy",
 )
@@ -36,6 +42,17 @@ class FaultConfig:
     malformed_rate: float = 0.0
     # Prepend the prompt to output_ids, as some SGLang versions did.
     leak_prompt_tokens: bool = False
+    # Probability that a streamed answer stops after stall_after_chunks data chunks and holds
+    # the connection open, silent, until the client goes away (a hung server or proxy).
+    stall_rate: float = 0.0
+    stall_after_chunks: int = 1
+    # Probability that a non-streamed answer's body trickles out drip_bytes at a time, one
+    # piece every drip_interval_ms (a congested link or a slow proxy).
+    drip_rate: float = 0.0
+    drip_interval_ms: float = 50.0
+    drip_bytes: int = 16
+    # Probability that a tool call's arguments are not valid JSON (decided per prompt and seed).
+    broken_tool_args_rate: float = 0.0
     # Seeds the per-request fault draws, so a run's faults are reproducible.
     seed: int = 0
     # /health and /health_generate answer 503, as a server going down would.
@@ -51,14 +68,20 @@ class FaultConfig:
             _require(status in _ERROR_STATUSES, f"error_rates: {status} is not a 4xx/5xx status")
             _require(0.0 <= rate <= 1.0, f"error_rates: {status} rate must be in [0, 1]")
         _require(0.0 <= self.drop_rate <= 1.0, "drop_rate must be in [0, 1]")
-        _require(0.0 <= self.malformed_rate <= 1.0, "malformed_rate must be in [0, 1]")
+        for name in ("malformed_rate", "stall_rate", "drip_rate", "broken_tool_args_rate"):
+            _require(0.0 <= getattr(self, name) <= 1.0, f"{name} must be in [0, 1]")
         # One draw per request picks at most one fault, so the rates share the unit interval.
         _require(self.total_rate() <= 1.0 + 1e-9, "fault rates must add up to at most 1")
         _require(self.added_latency_ms >= 0.0, "added_latency_ms must be >= 0")
+        _require(self.stall_after_chunks >= 0, "stall_after_chunks must be >= 0")
+        _require(self.drip_interval_ms >= 0.0, "drip_interval_ms must be >= 0")
+        _require(self.drip_bytes >= 1, "drip_bytes must be >= 1")
 
     def total_rate(self) -> float:
-        """Probability that a /generate call gets a fault instead of a normal answer."""
-        return self.drop_rate + self.malformed_rate + sum(rate for _, rate in self.error_rates)
+        """Largest probability that a /generate call gets a fault instead of a normal answer."""
+        # A stall only hits streamed calls and a drip only the others: they share one slice.
+        shared = self.drop_rate + self.malformed_rate + sum(rate for _, rate in self.error_rates)
+        return shared + max(self.stall_rate, self.drip_rate)
 
     def any_enabled(self) -> bool:
         """True when at least one fault knob is set (the seed alone changes nothing)."""
@@ -83,6 +106,12 @@ class FaultConfig:
             drop_rate=_json_number(body, "drop_rate"),
             malformed_rate=_json_number(body, "malformed_rate"),
             leak_prompt_tokens=_json_bool(body, "leak_prompt_tokens"),
+            stall_rate=_json_number(body, "stall_rate"),
+            stall_after_chunks=_json_int(body, "stall_after_chunks", 1),
+            drip_rate=_json_number(body, "drip_rate"),
+            drip_interval_ms=_json_number(body, "drip_interval_ms", 50.0),
+            drip_bytes=_json_int(body, "drip_bytes", 16),
+            broken_tool_args_rate=_json_number(body, "broken_tool_args_rate"),
             seed=_json_int(body, "seed"),
             unhealthy=_json_bool(body, "unhealthy"),
         )
@@ -111,16 +140,16 @@ def _json_error_rates(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(rates)
 
 
-def _json_number(body: dict[str, Any], key: str) -> float:
-    """An optional numeric field, 0 when absent."""
-    value = body.get(key, 0.0)
+def _json_number(body: dict[str, Any], key: str, default: float = 0.0) -> float:
+    """An optional numeric field, the default when absent."""
+    value = body.get(key, default)
     _require(_is_number(value), f"{key} must be a number")
     return float(value)
 
 
-def _json_int(body: dict[str, Any], key: str) -> int:
-    """An optional integer field, 0 when absent."""
-    value = body.get(key, 0)
+def _json_int(body: dict[str, Any], key: str, default: int = 0) -> int:
+    """An optional integer field, the default when absent."""
+    value = body.get(key, default)
     _require(isinstance(value, int) and not isinstance(value, bool), f"{key} must be an integer")
     return int(value)
 
@@ -163,6 +192,11 @@ class SimConfig:
     # Natural output length (before any max_new_tokens cut): log-normal mean, hard upper bound.
     mean_output_tokens: int = 300
     max_output_tokens: int = 4096
+    # SGLang's --stream-interval: a streamed request gets a chunk every this many tokens.
+    stream_interval: int = 1
+    # SGLang's --incremental-streaming-output (formerly --stream-output): chunks carry only the
+    # new text and output_ids instead of everything so far.
+    incremental_streaming_output: bool = False
     log_level: str = "warning"
     faults: FaultConfig = field(default_factory=FaultConfig)
 
@@ -183,6 +217,7 @@ class SimConfig:
         _require(self.prefill_tokens_per_ms > 0, "prefill_tokens_per_ms must be > 0")
         _require(self.mean_output_tokens >= 1, "mean_output_tokens must be >= 1")
         _require(self.max_output_tokens >= 16, "max_output_tokens must be >= 16")
+        _require(self.stream_interval >= 1, "stream_interval must be >= 1")
 
     @property
     def tokenizer_path(self) -> Path:

@@ -8,8 +8,8 @@ import math
 import random
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
@@ -17,8 +17,8 @@ from typing import Literal
 DEFAULT_MAX_NEW_TOKENS = 128
 # Prefix cache granularity in tokens.
 BLOCK_TOKENS = 16
-# One prompt in five carries a tool-call section, decided by its digest.
-TOOL_CALL_ONE_IN = 5
+# One prompt in two that declares tools gets an answer calling one, decided by its digest.
+TOOL_CALL_ONE_IN = 2
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ class Finish:
     matched: int | None = None
     length: int | None = None
     message: str | None = None
+    status_code: int | None = None
 
     def to_json(self) -> dict[str, object]:
         """The finish_reason object of meta_info."""
@@ -77,7 +78,12 @@ class Finish:
             return {"type": "stop", "matched": self.matched}
         if self.type == "length":
             return {"type": "length", "length": self.length}
-        return {"type": "abort", "message": self.message, "status_code": None, "err_type": None}
+        return {
+            "type": "abort",
+            "message": self.message,
+            "status_code": self.status_code,
+            "err_type": None,
+        }
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,37 @@ class Completion:
 
     output_ids: list[int]
     finish: Finish
+    # Whether output_ids hold (some of) a tool call whose arguments are not valid JSON.
+    broken_tool_args: bool = False
+
+
+@dataclass(frozen=True)
+class ToolCallTokens:
+    """One call of a tool-call section as token ids: its id (the template's
+    `functions.NAME:INDEX`) and its arguments (JSON text, unless broken on purpose)."""
+
+    head: tuple[int, ...]
+    arguments: tuple[int, ...]
+    broken: bool = False
+
+
+# Writes the calls of one answer's tool-call section from the generation's seeded rng.
+ToolCaller = Callable[[random.Random], Sequence[ToolCallTokens]]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The shape of a natural output: reasoning and answer lengths, then a tool-call section."""
+
+    reasoning: int
+    answer: int
+    section: list[int] = field(default_factory=list)
+    broken: bool = False
+
+    @property
+    def section_start(self) -> int:
+        """Index of the section's first token in the output."""
+        return self.reasoning + 1 + self.answer
 
 
 def request_digest(input_ids: Sequence[int], seed: int) -> bytes:
@@ -97,14 +134,22 @@ def request_digest(input_ids: Sequence[int], seed: int) -> bytes:
 
 
 def has_tool_call(input_ids: Sequence[int], seed: int) -> bool:
-    """Whether this prompt's output carries a tool-call section (one in five)."""
+    """Whether this prompt's output calls a tool when the prompt declares any (one in two)."""
     return request_digest(input_ids, seed)[0] % TOOL_CALL_ONE_IN == 0
 
 
 def generate(
-    input_ids: Sequence[int], sampling: Sampling, vocab: Vocab, shape: OutputShape
+    input_ids: Sequence[int],
+    sampling: Sampling,
+    vocab: Vocab,
+    shape: OutputShape,
+    tools: ToolCaller | None = None,
 ) -> Completion:
-    """Generate the deterministic output for a prompt, applying SGLang's finish rules."""
+    """Generate the deterministic output for a prompt, applying SGLang's finish rules.
+
+    tools writes the calls of a tool-call section; without it (the prompt declares no tools)
+    the output never calls one, as a model is not offered any.
+    """
     digest = request_digest(input_ids, sampling.seed)
     rng = random.Random(int.from_bytes(digest, "big"))
     stops = frozenset() if sampling.ignore_eos else sampling.stop_token_ids | {vocab.im_end}
@@ -112,58 +157,81 @@ def generate(
     out: list[int] = []
     if limit <= 0:
         return Completion(out, Finish("length", length=limit))
-    tool = digest[0] % TOOL_CALL_ONE_IN == 0
-    for token in _token_stream(rng, vocab, shape, tool):
+    calls = tools if digest[0] % TOOL_CALL_ONE_IN == 0 else None
+    plan = _plan(rng, vocab, shape, calls)
+    for token in _token_stream(rng, vocab, plan):
         out.append(token)
         # SGLang checks the length limit before stop tokens, so a stop token landing exactly
         # on max_new_tokens still reports "length".
         if len(out) >= limit:
-            return Completion(out, Finish("length", length=limit))
+            finish = Finish("length", length=limit)
+            break
         if token in stops:
-            return Completion(out, Finish("stop", matched=token))
-    raise AssertionError("token stream ended")  # pragma: no cover - the stream is endless
+            finish = Finish("stop", matched=token)
+            break
+    else:  # pragma: no cover - the stream is endless
+        raise AssertionError("token stream ended")
+    # A cut before the section leaves no broken call in the output.
+    broken = plan.broken and len(out) > plan.section_start
+    return Completion(out, finish, broken_tool_args=broken)
 
 
-def _token_stream(
-    rng: random.Random, vocab: Vocab, shape: OutputShape, tool: bool
-) -> Iterator[int]:
+def _token_stream(rng: random.Random, vocab: Vocab, plan: _Plan) -> Iterator[int]:
     """The model's natural output, then ordinary tokens forever (what ignore_eos sees)."""
-    reasoning, answer, tool_len = _plan_lengths(rng, shape, tool)
-    yield from _ordinary(rng, vocab, reasoning)
+    yield from _ordinary(rng, vocab, plan.reasoning)
     yield vocab.think_end
-    yield from _ordinary(rng, vocab, answer)
-    if tool:
-        yield from _tool_section(rng, vocab, tool_len)
+    yield from _ordinary(rng, vocab, plan.answer)
+    yield from plan.section
     yield vocab.im_end
     while True:
         yield from _ordinary(rng, vocab, 256)
 
 
-def _tool_section(rng: random.Random, vocab: Vocab, body: int) -> list[int]:
-    """Kimi-style section: begin, call begin, name, argument begin, arguments, call end, end."""
-    name = max(1, min(4, body // 4))
-    return [
-        vocab.tool_section_begin,
-        vocab.tool_call_begin,
-        *_ordinary(rng, vocab, name),
-        vocab.tool_call_argument_begin,
-        *_ordinary(rng, vocab, body - name),
-        vocab.tool_call_end,
-        vocab.tool_section_end,
-    ]
+def _plan(
+    rng: random.Random, vocab: Vocab, shape: OutputShape, tools: ToolCaller | None
+) -> _Plan:
+    """Write the tool calls (if any) first, then fit reasoning and answer around them."""
+    calls = list(tools(rng)) if tools is not None else []
+    section = _tool_section(vocab, calls) if calls else []
+    if len(section) + 4 > shape.max_tokens:
+        # A call longer than the longest output the model writes: it answers instead.
+        calls, section = [], []
+    reasoning, answer = _plan_lengths(rng, shape, 2 + len(section))
+    return _Plan(reasoning, answer, section, broken=any(call.broken for call in calls))
 
 
-def _plan_lengths(rng: random.Random, shape: OutputShape, tool: bool) -> tuple[int, int, int]:
-    """Sample (reasoning, answer, tool body) lengths whose total stays within max_tokens."""
-    # The tool body is the call's name and arguments; the section adds 5 marker tokens.
-    tool_len = max(2, min(rng.randint(12, 60), shape.max_tokens // 4)) if tool else 0
-    overhead = 2 + (tool_len + 5 if tool else 0)
+def _tool_section(vocab: Vocab, calls: Sequence[ToolCallTokens]) -> list[int]:
+    """Kimi-style section: begin, then per call: call begin, id, argument begin, arguments,
+    call end; then end (what the chat template renders for an assistant's tool_calls)."""
+    section = [vocab.tool_section_begin]
+    for call in calls:
+        section += [vocab.tool_call_begin, *call.head, vocab.tool_call_argument_begin]
+        section += [*call.arguments, vocab.tool_call_end]
+    section.append(vocab.tool_section_end)
+    return section
+
+
+def _plan_lengths(rng: random.Random, shape: OutputShape, overhead: int) -> tuple[int, int]:
+    """Sample (reasoning, answer) lengths so that the total with overhead (the think-end and
+    stop tokens, and any tool-call section) stays within max_tokens."""
     mu = math.log(shape.mean_tokens) - shape.sigma**2 / 2
     total = int(rng.lognormvariate(mu, shape.sigma))
     total = max(overhead + 2, min(total, shape.max_tokens))
     body = total - overhead
     reasoning = max(1, min(body - 1, round(body * rng.uniform(0.55, 0.9))))
-    return reasoning, body - reasoning, tool_len
+    return reasoning, body - reasoning
+
+
+def stream_due(tokens: int, interval: int) -> bool:
+    """Whether an unfinished streamed request sends a chunk once it has this many tokens.
+
+    SGLang's scheduler rule: every token with an interval of 1; with a larger one, the first
+    token and then every interval-th after it (1, 1 + interval, ...). A finished request
+    always sends its last chunk.
+    """
+    if tokens < 1:
+        return False
+    return tokens % interval == 1 if interval > 1 else True
 
 
 def _ordinary(rng: random.Random, vocab: Vocab, n: int) -> list[int]:
@@ -445,7 +513,7 @@ class Scheduler:
             self._waiting.remove(job)
         elif job.state in (RequestState.PREFILL, RequestState.RUNNING):
             del self._running[job.key]
-            self.used_tokens -= job.prompt_tokens + self._generated_so_far(job)
+            self.used_tokens -= job.prompt_tokens + self.generated(job)
             self.reserved_tokens -= job.reserve
             if job.state is RequestState.RUNNING:
                 self._decoding -= 1
@@ -453,11 +521,13 @@ class Scheduler:
             return
         job.state = RequestState.ABORTED
 
-    def _generated_so_far(self, job: Job) -> int:
-        """Tokens a job holds in KV beyond its prompt."""
-        if job.state is RequestState.PREFILL:
-            return 0
-        return min(job.output_tokens, 1 + self.step - job.admit_step)
+    def generated(self, job: Job) -> int:
+        """Tokens of a job's output generated so far (what it holds in KV beyond its prompt)."""
+        if job.state is RequestState.DONE:
+            return job.output_tokens
+        if job.state is RequestState.RUNNING:
+            return min(job.output_tokens, 1 + self.step - job.admit_step)
+        return 0
 
 
 class ThroughputMeter:

@@ -24,9 +24,10 @@ _MESSAGES = {
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected fault: a dropped connection, a malformed 200, or an error status."""
+    """One injected fault: a dropped connection, a malformed 200, an error status, a stalled
+    stream or a dripping body."""
 
-    kind: Literal["drop", "malformed", "error"]
+    kind: Literal["drop", "malformed", "error", "stall", "drip"]
     status: int = 200
 
 
@@ -39,9 +40,10 @@ class Decision:
     leak_prompt_tokens: bool
 
 
-def choose(faults: FaultConfig, u: float) -> Fault | None:
+def choose(faults: FaultConfig, u: float, *, stream: bool = False) -> Fault | None:
     """The fault for a call whose uniform draw is u in [0, 1); None means a normal answer."""
-    # The rates tile [0, total): drop, malformed, then each status in ascending order.
+    # The rates tile [0, total): drop, malformed, each status in ascending order, then one
+    # slice that stalls a streamed call or drips a non-streamed one.
     edge = faults.drop_rate
     if u < edge:
         return Fault("drop")
@@ -52,6 +54,10 @@ def choose(faults: FaultConfig, u: float) -> Fault | None:
         edge += rate
         if u < edge:
             return Fault("error", status)
+    if stream and u < edge + faults.stall_rate:
+        return Fault("stall")
+    if not stream and u < edge + faults.drip_rate:
+        return Fault("drip")
     return None
 
 
@@ -81,10 +87,14 @@ class FaultStats:
     malformed: int = 0
     leaked: int = 0
     delayed: int = 0
+    stalled: int = 0
+    dripped: int = 0
+    broken_tool_args: int = 0
     unhealthy_health_checks: int = 0
 
     def count(self, decision: Decision) -> None:
-        """Tally the faults of one /generate call (leaks are counted when sent)."""
+        """Tally the faults of one /generate call (leaks and broken tool calls are counted when
+        sent)."""
         self.generate_requests += 1
         if decision.delay_s > 0:
             self.delayed += 1
@@ -95,8 +105,12 @@ class FaultStats:
             self.errors[fault.status] += 1
         elif fault.kind == "drop":
             self.dropped += 1
-        else:
+        elif fault.kind == "malformed":
             self.malformed += 1
+        elif fault.kind == "stall":
+            self.stalled += 1
+        else:
+            self.dripped += 1
 
     def to_json(self) -> dict[str, Any]:
         """The body of GET /sim/stats."""
@@ -108,6 +122,9 @@ class FaultStats:
                 "malformed": self.malformed,
                 "leaked": self.leaked,
                 "delayed": self.delayed,
+                "stalled": self.stalled,
+                "dripped": self.dripped,
+                "broken_tool_args": self.broken_tool_args,
                 "unhealthy_health_checks": self.unhealthy_health_checks,
             },
         }
@@ -127,11 +144,11 @@ class FaultInjector:
         self.config = faults
         self._rng = random.Random(faults.seed)
 
-    def decide(self) -> Decision:
+    def decide(self, *, stream: bool = False) -> Decision:
         """Draw exactly once per /generate call, so fault counts depend only on the call count."""
         faults = self.config
         decision = Decision(
-            fault=choose(faults, self._rng.random()),
+            fault=choose(faults, self._rng.random(), stream=stream),
             delay_s=faults.added_latency_ms / 1000.0,
             leak_prompt_tokens=faults.leak_prompt_tokens,
         )

@@ -1,0 +1,83 @@
+"""Control commands never wait on a lock without limit: they retry with a message, and a
+client that goes away leaves no server session waiting behind it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psycopg
+
+from core.settings import Settings
+from core.urls import normalize_database_url
+from tests.helpers import enqueue_file, sample_rows, write_jsonl
+from tests.integration.test_worker_processes import eaglegen, worker_env
+
+
+def _libpq(settings: Settings) -> str:
+    assert settings.database_url is not None
+    return normalize_database_url(settings.database_url).replace("postgresql+psycopg", "postgresql")
+
+
+@contextmanager
+def ledger_row_locked(settings: Settings) -> Iterator[psycopg.Connection]:
+    """Another session holds every dataset row (a stuck or frozen one)."""
+    with psycopg.connect(_libpq(settings)) as conn:
+        conn.execute("SELECT id FROM datasets FOR UPDATE")
+        yield conn
+        conn.rollback()
+
+
+def _waiting_sessions(settings: Settings) -> int:
+    """Server sessions of this database waiting for a lock."""
+    with psycopg.connect(_libpq(settings), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_an_interrupted_budget_set_leaves_no_session_waiting(
+    settings: Settings, tmp_path: Path
+) -> None:
+    enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(3)))
+    env = worker_env(settings, [])
+    with ledger_row_locked(settings):
+        command = [sys.executable, "-m", "eaglegen", "budget", "set", "d", "10M"]
+        client = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while _waiting_sessions(settings) == 0:
+            assert time.monotonic() < deadline, "budget set never waited for the lock"
+            time.sleep(0.05)
+        client.kill()  # Ctrl-C, a closed terminal: Postgres does not see the client leave
+        client.wait()
+        assert client.stderr is not None
+        client.stderr.close()
+        # Its session gives up by itself (lock_timeout), while the lock is still held.
+        deadline = time.monotonic() + 10
+        while _waiting_sessions(settings):
+            assert time.monotonic() < deadline, "a session still waits for the client gone"
+            time.sleep(0.1)
+
+
+def test_budget_set_gets_a_lock_held_for_a_while_by_retrying(
+    settings: Settings, tmp_path: Path
+) -> None:
+    enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(3)))
+    env = worker_env(settings, [])
+    with ledger_row_locked(settings) as holder:
+        # Released after 5 s: longer than one lock wait, well within the retries.
+        release = threading.Timer(5.0, holder.rollback)
+        release.start()
+        result = eaglegen(env, "budget", "set", "d", "10M")
+        release.join()
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stderr.split())
+    assert "dataset 'd' is busy; retrying for up to 30 s" in text
+    assert "d: budget 10.0M" in text
