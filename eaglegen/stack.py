@@ -6,6 +6,7 @@ EAGLEGEN_BROKER_URL are set, the user's own servers are used and nothing is star
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -203,6 +204,7 @@ def flower_argv(address: str, port: int) -> list[str]:
 def write_stack_file(data_dir: Path, info: dict[str, Any]) -> None:
     """Record what `eaglegen up` started, so later commands and `down` find it."""
     data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.chmod(0o700)  # the services' data and logs, too, are this user's
     path = data_dir / STACK_FILE
     # It holds the service URLs as given, passwords included: for this user's eyes only.
     path.touch(mode=0o600)
@@ -240,13 +242,33 @@ def stop_pid(pid: int, timeout_s: float = 10.0) -> None:
 
 
 def check_flower_exposure(address: str, basic_auth: str | None) -> None:
-    """Refuse to serve Flower beyond loopback without authentication."""
-    loopback = address in ("127.0.0.1", "localhost", "::1") or address.startswith("127.")
-    if not loopback and not basic_auth:
+    """Refuse a malformed Flower login, and Flower beyond loopback without one."""
+    if basic_auth is not None:
+        for entry in basic_auth.split(","):
+            user, sep, password = entry.partition(":")
+            if not (sep and user and password):
+                raise ValueError(
+                    "--flower-basic-auth must be USER:PASSWORD (several joined by commas), "
+                    "each with a user and a password"
+                )
+    if not basic_auth and not is_loopback(address):
         raise ValueError(
             f"Flower on {address} would be reachable from other hosts: pass "
             "--flower-basic-auth USER:PASSWORD (or bind it to 127.0.0.1)"
         )
+
+
+def is_loopback(address: str) -> bool:
+    """Whether every address ``address`` resolves to is a loopback one: decided from the
+    addresses, not the name (``127.attacker.example`` is not loopback). A name that does
+    not resolve is not."""
+    try:
+        resolved = {str(info[4][0]) for info in socket.getaddrinfo(address, None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(resolved) and all(
+        ipaddress.ip_address(a.split("%")[0]).is_loopback for a in resolved
+    )
 
 
 def up(

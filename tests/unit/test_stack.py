@@ -20,6 +20,20 @@ def test_flower_off_loopback_requires_auth(address: str) -> None:
     with pytest.raises(ValueError, match="flower-basic-auth"):
         check_flower_exposure(address, None)
     check_flower_exposure(address, "admin:secret")
+    check_flower_exposure(address, "admin:secret,ops:other")
+
+
+@pytest.mark.parametrize("login", [":", "admin:", ":secret", ",", "admin:secret,", "nocolon"])
+def test_a_flower_login_without_user_or_password_is_refused(login: str) -> None:
+    for address in ("127.0.0.1", "0.0.0.0"):
+        with pytest.raises(ValueError, match="USER:PASSWORD"):
+            check_flower_exposure(address, login)
+
+
+@pytest.mark.parametrize("address", ["127.attacker.example", "localhost.attacker.example"])
+def test_a_name_that_only_looks_like_loopback_is_not(address: str) -> None:
+    with pytest.raises(ValueError, match="reachable from other hosts"):
+        check_flower_exposure(address, None)
 
 
 def test_pgserver_uri_becomes_a_psycopg_socket_url() -> None:
