@@ -15,8 +15,8 @@ from producer.rows import Prompt, RowError
 # The reasoning markers of Kimi-K2, DeepSeek-R1 and Qwen3 alike.
 THINK_START, THINK_END = "<think>", "</think>"
 
-# Files that define tokenization (remote code included: tokenization_*.py); weights and
-# configs beside them are not hashed.
+# Files that define tokenization (remote code included: every .py file, since the
+# tokenization_*.py module may import helpers beside it); weights and configs are not hashed.
 _TOKENIZER_FILES = (
     "tokenization",
     "tokenizer",
@@ -26,7 +26,7 @@ _TOKENIZER_FILES = (
     "merges",
     "chat_template",
 )
-_TOKENIZER_SUFFIXES = (".tiktoken", ".model")
+_TOKENIZER_SUFFIXES = (".tiktoken", ".model", ".py")
 
 
 class Templater:

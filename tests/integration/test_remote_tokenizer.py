@@ -89,3 +89,14 @@ def test_the_remote_code_is_part_of_the_tokenizer_hash(remote_tokenizer: Path) -
     code = remote_tokenizer / "tokenization_tiny.py"
     code.write_text(code.read_text() + "\n# a changed tokenizer implementation\n")
     assert Templater(remote_tokenizer, trust_remote_code=True).tokenizer_sha256() != before
+
+
+def test_every_python_file_of_the_folder_is_part_of_the_tokenizer_hash(
+    remote_tokenizer: Path,
+) -> None:
+    # A helper module the tokenization code imports changes tokenization just as well.
+    helper = remote_tokenizer / "tiny_helpers.py"
+    helper.write_text("SPLIT = ' '\n")
+    before = Templater(remote_tokenizer, trust_remote_code=True).tokenizer_sha256()
+    helper.write_text("SPLIT = '-'\n")
+    assert Templater(remote_tokenizer, trust_remote_code=True).tokenizer_sha256() != before
