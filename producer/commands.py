@@ -93,7 +93,7 @@ def _with_progress(
     """Run ``work`` with a bar per dataset; each gets its total once its rows are counted."""
     columns = (
         SpinnerColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # a dataset may be named "[/]"
         BarColumn(),
         TaskProgressColumn(),
         MofNCompleteColumn(),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.names import check_name
 from core.sampling import complete
 from models.ledger import BudgetBasis, parse_tokens
 from producer.runfile import RunFile
@@ -25,6 +26,9 @@ class DatasetPlan:
     limit: int | None = None
     sample_seed: int | None = None
 
+    def __post_init__(self) -> None:
+        check_name("dataset", self.name)
+
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -38,6 +42,9 @@ class RunPlan:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_context_len: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_name("run", self.run)
 
     def sampling_params(self, dataset: DatasetPlan, stop_token_ids: list[int]) -> dict[str, Any]:
         """Every sampling value sent for this dataset: defaults < run < dataset."""

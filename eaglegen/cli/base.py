@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 import typer
 from pydantic import ValidationError
 from rich.console import Console
-from rich.markup import escape
 
 from core.settings import ServerSpec, Services, Settings
+from eaglegen.report.text import inline
 from eaglegen.stack import MissingExtraError, read_stack_file
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def one_line(exc: BaseException) -> str:
 
 def fail(message: str) -> NoReturn:
     """Print an error naming what went wrong and exit 2."""
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {inline(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -156,7 +156,7 @@ def with_lock_retries(action: Callable[[], T], what: str) -> T:
                     "holds it; see pg_stat_activity): nothing was changed; run it again"
                 ) from exc
             if not told:
-                err.print(f"{escape(what)} is busy; retrying for up to {CONTROL_RETRY_S:g} s")
+                err.print(f"{inline(what)} is busy; retrying for up to {CONTROL_RETRY_S:g} s")
                 told = True
 
 

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from core.names import check_name
 from eaglegen.cli.base import (
     BrokerUrl,
     DatabaseUrl,
@@ -22,6 +23,7 @@ from eaglegen.cli.base import (
     services,
     with_lock_retries,
 )
+from eaglegen.report.text import inline
 
 app = typer.Typer(no_args_is_help=True, help="Per-dataset token budgets, live.")
 
@@ -38,7 +40,7 @@ def show(
 
     settings = load_settings(database_url=database_url, data_dir=data_dir)
     with repository(database(settings)) as repo:
-        rows = repo.budgets(run)
+        rows = repo.budgets(None if run is None else check_name("run", run))
     if json_out:
         emit_json({"datasets": [asdict(r) for r in rows]})
     else:
@@ -61,6 +63,9 @@ def set_budget(
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     budget = parse_tokens(amount)
+    check_name("dataset", dataset)
+    if run is not None:
+        check_name("run", run)
     live = services(settings)
     with repository(live.database_url) as repo:
         requeued = with_lock_retries(
@@ -72,6 +77,6 @@ def set_budget(
         emit_json({"dataset": dataset, "budget_tokens": budget, "requeued": len(requeued)})
     else:
         err.print(
-            f"{dataset}: budget {format_tokens(budget)}; {len(requeued)} skipped job(s) "
+            f"{inline(dataset)}: budget {format_tokens(budget)}; {len(requeued)} skipped job(s) "
             "queued again"
         )

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.markup import escape
 
 from core.settings import Services, Settings
 from eaglegen.cli.base import (
@@ -20,6 +19,7 @@ from eaglegen.cli.base import (
     load_settings,
     services,
 )
+from eaglegen.report.text import inline
 
 if TYPE_CHECKING:
     from producer.enqueue import RunReport
@@ -108,7 +108,7 @@ def enqueue(
     else:
         err.print(enqueue_table(report))
     for warning in report.warnings:
-        err.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+        err.print(f"[yellow]warning:[/] {inline(warning)}", highlight=False)
     if report.empty_datasets:  # an empty file, or one of which every row was rejected
         raise typer.Exit(1)
 

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from core.names import check_name
 from eaglegen.cli.base import (
     BrokerUrl,
     DatabaseUrl,
@@ -36,7 +37,7 @@ def status(
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     with repository(database(settings)) as repo:
-        counts = repo.counts(run)
+        counts = repo.counts(None if run is None else check_name("run", run))
         in_use, limit = repo.postgres_connections()
     if json_out:
         document = status_document(counts)

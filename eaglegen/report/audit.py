@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rich.markup import escape
+from eaglegen.report.text import inline
 
 Overshoot = tuple[str, str, int]  # run, dataset, tokens over budget
 
@@ -21,9 +21,9 @@ def audit_document(problems: Sequence[str], overshoot: Sequence[Overshoot]) -> d
 
 def audit_lines(problems: Sequence[str], overshoot: Sequence[Overshoot]) -> list[str]:
     """Rich-markup lines: each violation, each overshoot, then the verdict."""
-    lines = [f"[red]violation:[/] {escape(problem)}" for problem in problems]
+    lines = [f"[red]violation:[/] {inline(problem)}" for problem in problems]
     lines += [
-        f"{escape(r)}/{escape(d)}: {o:,} tokens over budget (bounded by one job's reservation)"
+        f"{inline(r)}/{inline(d)}: {o:,} tokens over budget (bounded by one job's reservation)"
         for r, d, o in overshoot
     ]
     lines.append("ok: every invariant holds" if not problems else f"{len(problems)} violation(s)")

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
+from eaglegen.report.text import shown
 from models.budgets import BudgetRow
 from models.ledger import format_tokens
 
@@ -17,8 +18,8 @@ def budget_table(rows: Sequence[BudgetRow]) -> Table:
         table.add_column(column)
     for r in rows:
         table.add_row(
-            r.run,
-            r.dataset,
+            shown(r.run),
+            shown(r.dataset),
             format_tokens(r.budget_tokens),
             r.budget_basis,
             f"{r.used_tokens:,}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from eaglegen.report.text import shown
 from models.ledger import format_tokens
 from producer.enqueue import RunReport
 
@@ -11,7 +12,7 @@ from producer.enqueue import RunReport
 def enqueue_table(report: RunReport) -> Table:
     """The human summary of an enqueue: one row per dataset."""
     title = f"{'dry run of ' if report.dry_run else ''}enqueue into run {report.run!r}"
-    table = Table(title=title)
+    table = Table(title=shown(title))
     for column in (
         "dataset",
         "rows",
@@ -28,7 +29,7 @@ def enqueue_table(report: RunReport) -> Table:
         pt = doc["prompt_tokens"]
         reasons = ", ".join(f"{k} {v}" for k, v in doc["rejected_by_reason"].items())
         table.add_row(
-            stats.dataset,
+            shown(stats.dataset),
             f"{doc['rows']:,}",
             f"{doc['accepted']:,}",
             f"{doc['rejected']:,}" + (f" ({reasons})" if reasons else ""),

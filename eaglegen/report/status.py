@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
+from eaglegen.report.text import shown
 from models.records import DatasetCounts
 from models.states import JobState
 
@@ -62,8 +63,8 @@ def status_table(counts: Sequence[DatasetCounts]) -> Table:
     table.add_column("completion tok", justify="right")
     for c in counts:
         table.add_row(
-            c.run,
-            c.dataset,
+            shown(c.run),
+            shown(c.dataset),
             *(f"{c.states[s.value]:,}" for s in JobState),
             f"{c.total:,}",
             f"{c.completion_tokens:,}",

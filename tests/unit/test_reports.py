@@ -24,3 +24,12 @@ def test_audit_lines_escape_markup_and_end_with_the_verdict() -> None:
         "violations": [],
         "over_budget": [{"run": "r", "dataset": "d", "tokens": 5}],
     }
+
+
+def test_user_strings_reach_the_terminal_as_text() -> None:
+    from eaglegen.report.text import inline, shown, visible
+
+    assert visible("a\x1b[31mb\nc\x00 d") == "a\\x1b[31mb\\nc\\x00 d"
+    assert visible("naïve 名前") == "naïve 名前"  # printable text stays as it is
+    assert shown("[/]").plain == "[/]"
+    assert inline("[bold]x\x07") == "\\[bold]x\\x07"
