@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     # worker.sglang): a stuck or dripping server fails the attempt after this, not after
     # request_timeout_s.
     stall_timeout_s: float = Field(default=300.0, gt=0)
+    # Ask for streamed answers, so that a request that stops making progress fails after
+    # stall_timeout_s of silence (README, "Streaming": launch SGLang with --stream-output).
+    stream: bool = False
     # A /generate body larger than this fails the attempt unread: far above any legal
     # answer (the ids and text of a whole context window).
     max_response_bytes: int = Field(default=64 << 20, ge=1 << 16)

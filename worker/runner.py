@@ -115,6 +115,7 @@ class WorkerContext:
                     timeout_s=settings.request_timeout_s,
                     max_response_bytes=settings.max_response_bytes,
                     stall_timeout_s=settings.stall_timeout_s,
+                    stream=settings.stream,
                 ),
             )
             for s in servers

@@ -21,6 +21,7 @@ import httpx
 from core import sampling
 from core.settings import ServerSpec
 from worker.retry import AttemptError, classify_status
+from worker.stream import Assembler, events
 
 KEEPALIVE_EXPIRY_S = 2.0
 # An error body is shown, not stored: its first bytes say enough.
@@ -37,9 +38,16 @@ class SGLangClient:
         timeout_s: float,
         max_response_bytes: int = 64 << 20,
         stall_timeout_s: float = 300.0,
+        stream: bool = False,
     ) -> None:
         self.server = server
         self._timeout = httpx.Timeout(timeout_s, connect=10.0)
+        self._stream = stream
+        # A streamed answer shows progress, so silence longer than a stall is one; a whole
+        # answer comes only at the end of its generation, after up to request_timeout_s.
+        self._request_timeout = (
+            httpx.Timeout(stall_timeout_s, connect=10.0) if stream else self._timeout
+        )
         self._max_bytes = max_response_bytes
         self._stall_s = stall_timeout_s
         # One context for every thread's client (each would load the CA bundle otherwise).
@@ -58,15 +66,25 @@ class SGLangClient:
         refused = sampling.unsendable(sampling_params)
         if refused:
             raise AttemptError(f"sampling params SGLang must not get: {refused}", retryable=False)
-        payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params,
+            "rid": rid,
+        }
+        if self._stream:
+            payload["stream"] = True
         try:
-            with self._thread_client().stream("POST", "/generate", json=payload) as response:
+            with self._thread_client().stream(
+                "POST", "/generate", json=payload, timeout=self._request_timeout
+            ) as response:
                 if response.status_code != 200:
                     raise AttemptError(
                         f"{self.server.name}: HTTP {response.status_code}: "
                         f"{_error_message(_head(response))}",
                         retryable=classify_status(response.status_code),
                     )
+                if self._stream:
+                    return self._streamed(response)
                 raw = self._body(response)
         except httpx.TransportError as exc:
             raise AttemptError(
@@ -78,6 +96,16 @@ class SGLangClient:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
             raise AttemptError(f"{self.server.name}: malformed JSON body", retryable=True) from exc
+
+    def _streamed(self, response: httpx.Response) -> dict[str, Any]:
+        """A streamed answer folded into one body (worker.stream)."""
+        assembler = Assembler()
+        chunks = response.iter_bytes()
+        for data in events(chunks, max_event_bytes=self._max_bytes, stall_s=self._stall_s):
+            assembler.add(data)
+            if assembler.done:
+                break
+        return assembler.answer()
 
     def _body(self, response: httpx.Response) -> bytes:
         """The whole body, refused past ``max_response_bytes`` without reading the rest,
