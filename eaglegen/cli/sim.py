@@ -32,6 +32,16 @@ def sim(
     decode_ms_per_request: Annotated[float, typer.Option(help="Added per running request")] = 0.15,
     prefill_tokens_per_ms: Annotated[float, typer.Option(help="Prefill speed")] = 50.0,
     mean_output_tokens: Annotated[int, typer.Option(help="Mean natural output length")] = 300,
+    stream_interval: Annotated[
+        int, typer.Option(help="Tokens between the chunks of a streamed answer")
+    ] = 1,
+    incremental_streaming_output: Annotated[
+        bool,
+        typer.Option(
+            "--incremental-streaming-output",
+            help="Stream only the new text and output_ids in each chunk",
+        ),
+    ] = False,
     error_rate: Annotated[
         list[str] | None,
         typer.Option(metavar="STATUS=P", help="Answer STATUS with probability P (repeatable)"),
@@ -42,6 +52,20 @@ def sim(
     leak_prompt_tokens: Annotated[
         bool, typer.Option("--leak-prompt-tokens", help="Prepend the prompt to output_ids")
     ] = False,
+    stall_rate: Annotated[
+        float, typer.Option(help="Probability that a streamed answer goes silent, held open")
+    ] = 0.0,
+    stall_after_chunks: Annotated[
+        int, typer.Option(help="Chunks a stalled stream sends before going silent")
+    ] = 1,
+    drip_rate: Annotated[
+        float, typer.Option(help="Probability that a non-streamed body trickles out")
+    ] = 0.0,
+    drip_interval_ms: Annotated[float, typer.Option(help="Pause between dripped pieces")] = 50.0,
+    drip_bytes: Annotated[int, typer.Option(help="Bytes per dripped piece")] = 16,
+    broken_tool_args_rate: Annotated[
+        float, typer.Option(help="Probability that a tool call's arguments are not JSON")
+    ] = 0.0,
     fault_seed: Annotated[int, typer.Option(help="Seed of the per-request fault draws")] = 0,
 ) -> None:
     """Run the SGLang-compatible simulator (speaks /generate, /metrics, ...)."""
@@ -54,6 +78,12 @@ def sim(
         drop_rate=drop_rate,
         malformed_rate=malformed_rate,
         leak_prompt_tokens=leak_prompt_tokens,
+        stall_rate=stall_rate,
+        stall_after_chunks=stall_after_chunks,
+        drip_rate=drip_rate,
+        drip_interval_ms=drip_interval_ms,
+        drip_bytes=drip_bytes,
+        broken_tool_args_rate=broken_tool_args_rate,
         seed=fault_seed,
     )
     config = SimConfig(
@@ -72,6 +102,8 @@ def sim(
         decode_ms_per_request=decode_ms_per_request,
         prefill_tokens_per_ms=prefill_tokens_per_ms,
         mean_output_tokens=mean_output_tokens,
+        stream_interval=stream_interval,
+        incremental_streaming_output=incremental_streaming_output,
         faults=faults,
     )
     if faults.any_enabled():

@@ -2,8 +2,10 @@
 
 Public API: `SimConfig` (and `FaultConfig`), `create_app(config)`, `serve(config)` (blocking,
 for `eaglegen sim`) and `SimServer(config)`, a context manager running the server on a free
-loopback port in a background thread, exposing `.url`. Faults (`FaultConfig`) are set at startup
-or at runtime through `GET/POST /sim/faults`; `GET /sim/stats` counts what was injected.
+loopback port in a background thread, exposing `.url`. `/generate` answers at once or, with
+`"stream": true`, as server-sent events while the simulated model decodes; a prompt that declares
+tools sometimes gets a tool call in the chat template's format. Faults (`FaultConfig`) are set at
+startup or at runtime through `GET/POST /sim/faults`; `GET /sim/stats` counts what was injected.
 """
 
 from eaglegen.sim.config import FaultConfig, SimConfig

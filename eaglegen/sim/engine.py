@@ -187,9 +187,7 @@ def _token_stream(rng: random.Random, vocab: Vocab, plan: _Plan) -> Iterator[int
         yield from _ordinary(rng, vocab, 256)
 
 
-def _plan(
-    rng: random.Random, vocab: Vocab, shape: OutputShape, tools: ToolCaller | None
-) -> _Plan:
+def _plan(rng: random.Random, vocab: Vocab, shape: OutputShape, tools: ToolCaller | None) -> _Plan:
     """Write the tool calls (if any) first, then fit reasoning and answer around them."""
     calls = list(tools(rng)) if tools is not None else []
     section = _tool_section(vocab, calls) if calls else []

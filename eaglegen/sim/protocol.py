@@ -11,6 +11,7 @@ from typing import Any
 from eaglegen.sim.engine import (
     DEFAULT_MAX_NEW_TOKENS,
     Completion,
+    Finish,
     Sampling,
     max_request_tokens,
     validate_lengths,
@@ -104,6 +105,8 @@ class GenerateItem:
     input_ids: list[int]
     sampling: Sampling
     text_options: TextOptions
+    # sampling_params.stream_interval; None means the server's --stream-interval.
+    stream_interval: int | None = None
 
     @property
     def reserve(self) -> int:
@@ -118,12 +121,22 @@ class GenerateRequest:
     items: list[GenerateItem]
     is_batch: bool
     log_metrics: bool
+    stream: bool = False
+
+
+def wants_stream(body: object) -> bool:
+    """Whether a /generate body asks for a streamed answer (read before it is validated)."""
+    return isinstance(body, dict) and body.get("stream") is True
 
 
 def parse_generate(body: object, limits: Limits) -> GenerateRequest:
     """Validate a /generate body the way SGLang does; raise RequestError on anything wrong."""
     if not isinstance(body, dict):
         raise RequestError("Input should be a valid dictionary", validation=True)
+    # Body types are FastAPI's to check, before SGLang sees the request.
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream: Input should be a valid boolean", validation=True)
     _check_top_level(body)
     prompts, is_batch = _parse_input_ids(body.get("input_ids"), limits.vocab_size)
     params = _per_item(body.get("sampling_params"), len(prompts), is_batch, "sampling_params")
@@ -134,7 +147,7 @@ def parse_generate(body: object, limits: Limits) -> GenerateRequest:
     log_metrics = body.get("log_metrics", True)
     if not isinstance(log_metrics, bool):
         raise RequestError("log_metrics: Input should be a valid boolean", validation=True)
-    return GenerateRequest(items, is_batch, log_metrics)
+    return GenerateRequest(items, is_batch, log_metrics, stream)
 
 
 def _check_top_level(body: dict[str, Any]) -> None:
@@ -147,8 +160,6 @@ def _check_top_level(body: dict[str, Any]) -> None:
             raise RequestError(f"{key} is not supported by the simulator")
     if body.get("text") is not None:
         raise RequestError("The simulator accepts input_ids only; send input_ids instead of text.")
-    if body.get("stream"):
-        raise RequestError("stream=True is not supported by the simulator.")
     if body.get("return_logprob"):
         raise RequestError("return_logprob is not supported by the simulator.")
 
@@ -230,7 +241,11 @@ def _item(rid: str, ids: list[int], params: dict[str, Any], limits: Limits) -> G
         skip_special_tokens=_opt_bool(params, "skip_special_tokens", True),
         no_stop_trim=_opt_bool(params, "no_stop_trim", False),
     )
-    return GenerateItem(rid, ids, sampling, text)
+    # SGLang takes `stream_interval or --stream-interval`, so 0 means the server's too.
+    interval = _opt_int(params, "stream_interval", 0)
+    if interval < 0:
+        raise RequestError(f"stream_interval must be at least 0, got {interval}.")
+    return GenerateItem(rid, ids, sampling, text, interval or None)
 
 
 def _max_new(params: dict[str, Any]) -> int | None:
@@ -358,20 +373,41 @@ def response_body(
     if leak_prompt_tokens:
         # The real bug's shape: the prompt leads output_ids, completion_tokens does not count it.
         output_ids = [*item.input_ids, *output_ids]
-    return {
-        "text": text,
-        "output_ids": output_ids,
-        "meta_info": {
-            "id": item.rid,
-            "finish_reason": completion.finish.to_json(),
-            "prompt_tokens": len(item.input_ids),
-            "weight_version": "default",
-            "total_retractions": 0,
-            "completion_tokens": len(completion.output_ids),
-            "cached_tokens": cached_tokens,
-            "e2e_latency": e2e_latency,
-        },
+    return result_body(
+        item,
+        output_ids,
+        text=text,
+        finish=completion.finish,
+        completion_tokens=len(completion.output_ids),
+        cached_tokens=cached_tokens,
+        e2e_latency=e2e_latency,
+    )
+
+
+def result_body(
+    item: GenerateItem,
+    output_ids: list[int],
+    *,
+    text: str,
+    finish: Finish | None,
+    completion_tokens: int,
+    cached_tokens: int,
+    e2e_latency: float | None,
+) -> dict[str, Any]:
+    """A result or a stream chunk: an unfinished one has a null finish_reason and, as in
+    SGLang, no e2e_latency yet."""
+    meta: dict[str, Any] = {
+        "id": item.rid,
+        "finish_reason": finish.to_json() if finish is not None else None,
+        "prompt_tokens": len(item.input_ids),
+        "weight_version": "default",
+        "total_retractions": 0,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": cached_tokens,
     }
+    if e2e_latency is not None:
+        meta["e2e_latency"] = e2e_latency
+    return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
 
 def ids_for_text(completion: Completion, options: TextOptions) -> list[int]:

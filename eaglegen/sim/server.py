@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import socket
 import threading
 import time
@@ -18,228 +17,38 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive
-from tokenizers import Tokenizer
 
 from eaglegen.sim import metrics
 from eaglegen.sim.config import FaultConfig, SimConfig
 from eaglegen.sim.connection import DroppableH11Protocol, drop
-from eaglegen.sim.engine import (
-    Completion,
-    Job,
-    OutputShape,
-    PrefixCache,
-    Scheduler,
-    ThroughputMeter,
-    Vocab,
-    decode_seconds,
-    generate,
-    prefill_seconds,
-)
-from eaglegen.sim.faults import MALFORMED_BODY, Fault, FaultInjector, error_body
+from eaglegen.sim.engine import Job
+from eaglegen.sim.faults import MALFORMED_BODY, Decision, Fault, error_body
 from eaglegen.sim.protocol import (
-    GenerateItem,
     GenerateRequest,
-    Limits,
     RequestError,
-    ids_for_text,
     parse_generate,
     response_body,
     validation_error_body,
+    wants_stream,
+)
+from eaglegen.sim.service import SimService
+from eaglegen.sim.streaming import (
+    EventStream,
+    StreamOptions,
+    error_stream,
+    queue_full_stream,
+    stream_response,
 )
 from eaglegen.sim.vocab import load_vocab
 
 SIM_VERSION = "0.1.0-eaglegen-sim"
-logger = logging.getLogger(__name__)
-# Falling further behind than this re-anchors the step clock instead of bursting to catch up.
-_MAX_LAG_S = 0.05
 _FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
     "waiting requests, the operation will not be performed.)\n"
 )
-
-
-class _StepClock:
-    """Paces simulated steps against wall time, absorbing the loop's own processing time."""
-
-    def __init__(self) -> None:
-        """Anchor at now."""
-        self._t = time.monotonic()
-
-    def reset(self) -> None:
-        """Re-anchor after an idle period."""
-        self._t = time.monotonic()
-
-    async def advance(self, seconds: float) -> None:
-        """Sleep until this step's simulated end."""
-        self._t += seconds
-        delay = self._t - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-            return
-        if -delay > _MAX_LAG_S:
-            self._t = time.monotonic()
-        # Yield anyway so HTTP handlers run between back-to-back steps.
-        await asyncio.sleep(0)
-
-
-class SimService:
-    """Runtime state of one simulator: scheduler, tokenizer and the single step-driving task."""
-
-    def __init__(self, config: SimConfig, vocab: Vocab, tokenizer: Tokenizer) -> None:
-        """Build the engine; nothing runs until start()."""
-        self.config = config
-        self.vocab = vocab
-        self.tokenizer = tokenizer
-        self.shape = OutputShape(config.mean_output_tokens, config.max_output_tokens)
-        self.limits = Limits(vocab.vocab_size, config.context_length, config.kv_tokens, config.seed)
-        self.scheduler = Scheduler(
-            config.kv_tokens,
-            config.max_running_requests,
-            config.max_prefill_tokens,
-            PrefixCache(config.kv_tokens),
-        )
-        self.meter = ThroughputMeter()
-        self.e2e = metrics.Histogram()
-        self.faults = FaultInjector(config.faults)
-        self._futures: dict[int, asyncio.Future[None]] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        """Start the step loop on the running event loop."""
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-steps")
-
-    async def stop(self) -> None:
-        """Stop the step loop and fail whatever still waits."""
-        if self._task is not None:
-            self._task.cancel()
-            # A crash was already logged by _run; shutdown must not raise it again.
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        for future in self._futures.values():
-            future.cancel()
-
-    def alive(self) -> bool:
-        """Whether the step loop runs."""
-        return self._task is not None and not self._task.done()
-
-    async def _run(self) -> None:
-        """Drive the steps; a crash fails every waiting request and marks the server unhealthy."""
-        try:
-            await self._steps()
-        except Exception as exc:
-            logger.exception("simulator step loop crashed")
-            for future in self._futures.values():
-                if not future.done():
-                    future.set_exception(RuntimeError(f"simulator step loop crashed: {exc}"))
-            raise
-
-    async def _steps(self) -> None:
-        """The one task that drives every request: admit, prefill, decode, repeat."""
-        clock = _StepClock()
-        while True:
-            if not self.scheduler.has_work():
-                self._wake.clear()
-                await self._wake.wait()
-                clock.reset()
-                continue
-            await self._one_round(clock)
-
-    async def _one_round(self, clock: _StepClock) -> None:
-        """One prefill batch (if any job fits) followed by one decode step."""
-        batch = self.scheduler.admit()
-        if batch is not None:
-            await clock.advance(
-                prefill_seconds(batch.extend_tokens, self.config.prefill_tokens_per_ms)
-            )
-            self._resolve(self.scheduler.finish_prefill(batch))
-        running = self.scheduler.num_decoding
-        if running:
-            cfg = self.config
-            await clock.advance(
-                decode_seconds(running, cfg.decode_step_ms, cfg.decode_ms_per_request)
-            )
-            self._resolve(self.scheduler.decode_step())
-            self.meter.record(time.monotonic(), self.scheduler.tokens_generated)
-        elif batch is None:
-            # Defensive: work exists yet nothing can move; never spin.
-            await asyncio.sleep(0.001)
-
-    def _resolve(self, jobs: list[Job]) -> None:
-        """Wake the handlers of finished jobs."""
-        for job in jobs:
-            future = self._futures.pop(job.key, None)
-            if future is not None and not future.done():
-                future.set_result(None)
-
-    def queue_full(self, incoming: int) -> bool:
-        """Whether accepting more requests would overflow --max-queued-requests."""
-        cap = self.config.max_queued_requests
-        return cap is not None and self.scheduler.num_waiting + incoming > cap
-
-    def make_job(self, item: GenerateItem, count_in_metrics: bool) -> Job:
-        """Generate an item's output now; the scheduler decides when it is revealed."""
-        completion = generate(item.input_ids, item.sampling, self.vocab, self.shape)
-        return Job(item.input_ids, completion, item.reserve, count_in_metrics)
-
-    async def run(self, jobs: list[Job], receive: Receive) -> bool:
-        """Run jobs to completion; False (and the jobs aborted) if the client disconnects."""
-        futures = [self._submit(job) for job in jobs]
-        done_all: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*futures))
-        gone: asyncio.Future[Any] = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({done_all, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if done_all.done():
-            done_all.result()
-            return True
-        done_all.cancel()
-        for job in jobs:
-            self._futures.pop(job.key, None)
-            self.scheduler.abort(job)
-        return False
-
-    def _submit(self, job: Job) -> asyncio.Future[None]:
-        """Queue one job and wake the step loop."""
-        self.scheduler.submit(job)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._futures[job.key] = future
-        self._wake.set()
-        return future
-
-    def text(self, completion: Completion, item: GenerateItem) -> str:
-        """Detokenize like SGLang's detokenizer manager."""
-        ids = ids_for_text(completion, item.text_options)
-        return str(
-            self.tokenizer.decode(ids, skip_special_tokens=item.text_options.skip_special_tokens)
-        )
-
-    def snapshot(self) -> metrics.Snapshot:
-        """Current values for /metrics."""
-        s = self.scheduler
-        return metrics.Snapshot(
-            num_running_reqs=s.num_running,
-            num_queue_reqs=s.num_waiting,
-            num_used_tokens=s.used_tokens,
-            token_usage=s.used_tokens / s.kv_tokens,
-            gen_throughput=self.meter.rate(time.monotonic()),
-            cache_hit_rate=s.last_cache_hit_rate,
-            max_total_num_tokens=s.kv_tokens,
-            prompt_tokens_total=s.totals.prompt_tokens,
-            generation_tokens_total=s.totals.generation_tokens,
-            cached_tokens_total=s.totals.cached_tokens,
-            num_requests_total=s.totals.requests,
-        )
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    """Return when the client closes the connection (the body is already read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _service(request: Request) -> SimService:
@@ -249,48 +58,116 @@ def _service(request: Request) -> SimService:
 
 
 async def generate_endpoint(request: Request) -> Response:
-    """POST /generate: one prompt or a batch, answered when the simulated model finishes."""
+    """POST /generate: one prompt or a batch, answered when the simulated model finishes, or
+    streamed as it decodes."""
     service = _service(request)
     # Read the whole request first: a drop then hits a client waiting for its answer.
     try:
         raw = await request.body()
     except ClientDisconnect:  # the client died mid-request (a killed worker)
         return Response(status_code=499)
+    try:
+        body: object = _json_body(raw)
+    except RequestError as exc:
+        body = exc
+    stream = wants_stream(body)
     # Faults are decided before parsing and scheduling, so a faulted call costs no KV.
-    decision = service.faults.decide()
+    decision = service.faults.decide(stream=stream)
     if decision.delay_s > 0:
         await asyncio.sleep(decision.delay_s)
-    if decision.fault is not None:
-        return await _inject(decision.fault, request)
-    return await _generate(service, raw, request.receive, leak=decision.leak_prompt_tokens)
+    fault = decision.fault
+    if fault is not None and fault.kind in ("drop", "malformed", "error"):
+        return await _inject(fault, request, stream)
+    if isinstance(body, RequestError):
+        return _refuse(body, stream)
+    return await _generate(service, body, request.receive, decision)
 
 
-async def _inject(fault: Fault, request: Request) -> Response:
+async def _inject(fault: Fault, request: Request, stream: bool) -> Response:
     """The answer to a faulted call, or the lack of one."""
     if fault.kind == "drop":
         return await drop(request)
     if fault.kind == "malformed":
+        if stream:
+            return EventStream(_malformed_events())
         return Response(MALFORMED_BODY, media_type="application/json")
     return JSONResponse(error_body(fault.status), status_code=fault.status)
 
 
-async def _generate(service: SimService, raw: bytes, receive: Receive, *, leak: bool) -> Response:
+async def _malformed_events() -> AsyncIterator[bytes]:
+    """A stream whose one event is cut mid-JSON, and that ends without [DONE]."""
+    yield b"data: " + MALFORMED_BODY + b"\n\n"
+
+
+def _refuse(exc: RequestError, stream: bool) -> Response:
+    """A refused request: FastAPI's 400s come before the stream starts, SGLang's own errors
+    inside it."""
+    if stream and not exc.validation:
+        return error_stream(exc.message)
+    return JSONResponse(exc.body(), status_code=400)
+
+
+async def _generate(
+    service: SimService, body: object, receive: Receive, decision: Decision
+) -> Response:
     """Validate, schedule and answer one /generate call."""
     started = time.perf_counter()
     try:
-        parsed = parse_generate(_json_body(raw), service.limits)
+        parsed = parse_generate(body, service.limits)
     except RequestError as exc:
-        return JSONResponse(exc.body(), status_code=400)
+        return _refuse(exc, wants_stream(body))
     if not service.alive():
-        body = validation_error_body("The simulator is not running.", code=503, kind="503")
-        return JSONResponse(body, status_code=503)
+        message = validation_error_body("The simulator is not running.", code=503, kind="503")
+        return JSONResponse(message, status_code=503)
     if service.queue_full(len(parsed.items)):
-        body = validation_error_body("The request queue is full.", code=503, kind="503")
-        return JSONResponse(body, status_code=503)
+        if parsed.stream:
+            return queue_full_stream(parsed, started)
+        message = validation_error_body("The request queue is full.", code=503, kind="503")
+        return JSONResponse(message, status_code=503)
     jobs = [service.make_job(item, parsed.log_metrics) for item in parsed.items]
+    if parsed.stream:
+        return _stream(service, parsed, jobs, started, decision)
     if not await service.run(jobs, receive):
         return Response(status_code=499)  # nobody is listening any more
-    return JSONResponse(_results(service, parsed, jobs, started, leak))
+    result = _results(service, parsed, jobs, started, decision.leak_prompt_tokens)
+    if decision.fault is not None and decision.fault.kind == "drip":
+        return _drip(result, service.faults.config)
+    return JSONResponse(result)
+
+
+def _stream(
+    service: SimService,
+    parsed: GenerateRequest,
+    jobs: list[Job],
+    started: float,
+    decision: Decision,
+) -> EventStream:
+    """Queue jobs whose chunks go out as they decode."""
+    cfg = service.config
+    intervals = [item.stream_interval or cfg.stream_interval for item in parsed.items]
+    stalled = decision.fault is not None and decision.fault.kind == "stall"
+    options = StreamOptions(
+        incremental=cfg.incremental_streaming_output,
+        leak_prompt_tokens=decision.leak_prompt_tokens,
+        stall_after=service.faults.config.stall_after_chunks if stalled else None,
+    )
+    watches = service.stream(jobs, intervals)
+    return stream_response(service, parsed, watches, started, options)
+
+
+def _drip(result: object, faults: FaultConfig) -> StreamingResponse:
+    """A 200 whose JSON body trickles out a few bytes at a time (the drip fault)."""
+    body = JSONResponse(result).body
+    piece, pause = faults.drip_bytes, faults.drip_interval_ms / 1000.0
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for start in range(0, len(body), piece):
+            if start:
+                await asyncio.sleep(pause)
+            yield bytes(body[start : start + piece])
+
+    headers = {"content-length": str(len(body))}
+    return StreamingResponse(pieces(), media_type="application/json", headers=headers)
 
 
 def _json_body(raw: bytes) -> object:
@@ -321,8 +198,10 @@ def _results(
                 leak_prompt_tokens=leak,
             )
         )
+    stats = service.faults.stats
     if leak:
-        service.faults.stats.leaked += len(bodies)
+        stats.leaked += len(bodies)
+    stats.broken_tool_args += sum(job.completion.broken_tool_args for job in jobs)
     return bodies if parsed.is_batch else bodies[0]
 
 
@@ -386,7 +265,8 @@ def _server_args(cfg: SimConfig, port: int | None) -> dict[str, Any]:
         "reasoning_parser": None,
         "tool_call_parser": None,
         "enable_metrics": True,
-        "stream_output": False,
+        "stream_interval": cfg.stream_interval,
+        "incremental_streaming_output": cfg.incremental_streaming_output,
     }
 
 
@@ -514,22 +394,36 @@ def serve(config: SimConfig, on_ready: Callable[[str], None] | None = None) -> N
     server = uvicorn.Server(_uvicorn_config(config))
     sock = _bind(config.host, config.port)
     url = _url(config.host, sock.getsockname()[1])
-    if on_ready is not None:
-        asyncio.run(_serve_and_announce(server, sock, url, on_ready))
-    else:
-        server.run(sockets=[sock])
+    asyncio.run(_serve_and_announce(server, sock, url, on_ready))
 
 
 async def _serve_and_announce(
-    server: uvicorn.Server, sock: socket.socket, url: str, on_ready: Callable[[str], None]
+    server: uvicorn.Server,
+    sock: socket.socket,
+    url: str,
+    on_ready: Callable[[str], None] | None = None,
 ) -> None:
     """Serve, calling on_ready(url) once the server accepts requests."""
     serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not serving.done():
-        await asyncio.sleep(0.02)
-    if server.started:
-        on_ready(url)
-    await serving
+    try:
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.02)
+        if server.started and on_ready is not None:
+            on_ready(url)
+        await serving
+    finally:
+        await _close_connections(server)
+
+
+async def _close_connections(server: uvicorn.Server) -> None:
+    """Abort the connections uvicorn's shutdown left open (those whose request it cancelled
+    after its grace period), while the loop still runs: a transport still open when the loop
+    closes is closed only by the garbage collector, later, with a ResourceWarning."""
+    for connection in list(server.server_state.connections):
+        transport = getattr(connection, "transport", None)
+        if transport is not None:
+            transport.abort()  # also one closing with unsent bytes: close() waits for a reader
+    await asyncio.sleep(0)  # one loop turn: each abort's connection_lost runs and closes
 
 
 class SimServer:
@@ -563,7 +457,7 @@ class SimServer:
     def _serve(self, server: uvicorn.Server, sock: socket.socket) -> None:
         """Thread body: run uvicorn, keeping any crash for the starting thread."""
         try:
-            server.run(sockets=[sock])
+            asyncio.run(_serve_and_announce(server, sock, self.url))
         except BaseException as exc:  # reported by _wait_healthy
             self._error = exc
         finally:

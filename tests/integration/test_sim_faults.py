@@ -19,8 +19,10 @@ import eaglegen.sim
 from eaglegen import assets
 from eaglegen.cli import app
 from eaglegen.sim import FaultConfig, SimConfig, SimServer
-from eaglegen.sim.faults import choose
+from eaglegen.sim.faults import MALFORMED_BODY, choose
 from eaglegen.sim.metrics import parse
+from tests.integration.test_sim_http import tool_calls_over_http
+from tests.unit.test_sim_tools import parse_tool_calls
 
 IDS = assets.special_ids(assets.TOKENIZER_DIR)
 FAST = SimConfig(context_length=4096, decode_step_ms=0.5, decode_ms_per_request=0.005)
@@ -28,11 +30,33 @@ REQUESTS_TOTAL = 'sglang:num_requests_total{model_name="eaglegen/sim-reasoner"}'
 PROMPT_TOKENS_TOTAL = 'sglang:prompt_tokens_total{model_name="eaglegen/sim-reasoner"}'
 
 
-def payload(i: int = 0, max_new: int = 16) -> dict[str, Any]:
+def payload(i: int = 0, max_new: int = 16, **extra: Any) -> dict[str, Any]:
     """A small /generate call with every sampling value explicit."""
     ids = [IDS.bos, *(100 + (i * 7919 + k * 31) % 3900 for k in range(20)), IDS.think_start]
     params = {"max_new_tokens": max_new, "temperature": 0.6, "top_p": 0.95}
-    return {"input_ids": ids, "sampling_params": params, "rid": f"job-{i}"}
+    return {"input_ids": ids, "sampling_params": params, "rid": f"job-{i}", **extra}
+
+
+def events_until_silent(url: str, body: dict[str, Any], read_s: float) -> list[bytes]:
+    """The events a streamed call sends before it goes silent for read_s (a ReadTimeout)."""
+    events: list[bytes] = []
+    with (
+        httpx.Client(base_url=url, timeout=httpx.Timeout(10, read=read_s)) as c,
+        c.stream("POST", "/generate", json=body) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        with pytest.raises(httpx.ReadTimeout):
+            for line in response.iter_lines():
+                if line:
+                    events.append(line.encode())
+    return events
+
+
+def running(client: httpx.Client) -> float:
+    """sglang:num_running_reqs now."""
+    gauge = 'sglang:num_running_reqs{engine_type="unified",model_name="eaglegen/sim-reasoner",'
+    return parse(client.get("/metrics").text)[gauge + 'tp_rank="0"}']
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +207,102 @@ def test_leaked_prompt_tokens_have_the_real_bugs_shape(client: httpx.Client) -> 
     assert injected(client)["leaked"] - before == 1
 
 
+def test_a_stalled_stream_sends_its_first_chunks_then_holds_the_connection_silent(
+    sim: SimServer, client: httpx.Client
+) -> None:
+    before, (requests_before, _) = injected(client)["stalled"], totals(client)
+    set_faults(client, stall_rate=1.0, stall_after_chunks=2)
+    # Long enough to outlast the client: only the stall stops the chunks.
+    call = payload(1, max_new=3000, stream=True)
+    call["sampling_params"]["ignore_eos"] = True
+    events = events_until_silent(sim.url, call, read_s=0.5)
+    counts = [
+        json.loads(e.removeprefix(b"data: "))["meta_info"]["completion_tokens"] for e in events
+    ]
+    assert counts == [1, 2]
+    # The client gave up: its request is aborted, not left to run out.
+    deadline = time.monotonic() + 5
+    while running(client) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert running(client) == 0 and totals(client)[0] == requests_before
+    # Zero chunks: the headers come, then nothing at all.
+    set_faults(client, stall_rate=1.0, stall_after_chunks=0)
+    call["sampling_params"]["max_new_tokens"] = 50
+    assert events_until_silent(sim.url, call, read_s=0.3) == []
+    assert injected(client)["stalled"] - before == 2
+    # Only streams stall.
+    assert client.post("/generate", json=payload()).status_code == 200
+
+
+def test_a_dripping_body_trickles_in_a_few_bytes_at_a_time(client: httpx.Client) -> None:
+    call = payload(3, max_new=48)
+    clean = client.post("/generate", json=call).json()
+    before = injected(client)["dripped"]
+    set_faults(client, drip_rate=1.0, drip_bytes=8, drip_interval_ms=10)
+    pieces: list[bytes] = []
+    times: list[float] = []
+    with client.stream("POST", "/generate", json=call) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "application/json"
+        length = int(response.headers["content-length"])
+        for piece in response.iter_raw():
+            pieces.append(piece)
+            times.append(time.monotonic())
+    body = b"".join(pieces)
+    assert len(body) == length and json.loads(body)["output_ids"] == clean["output_ids"]
+    expected = -(-length // 8)
+    assert len(pieces) >= expected // 2 and max(len(p) for p in pieces) <= 8 * 3
+    assert times[-1] - times[0] >= 0.8 * (expected - 1) * 0.010
+    assert injected(client)["dripped"] - before == 1
+    # A stream is not dripped: it trickles by nature.
+    with client.stream("POST", "/generate", json=payload(3, max_new=48, stream=True)) as response:
+        assert response.read().endswith(b"data: [DONE]\n\n")
+    assert injected(client)["dripped"] - before == 1
+
+
+def test_stream_faults_keep_the_stream_framing(sim: SimServer, client: httpx.Client) -> None:
+    streamed = payload(5, max_new=8, stream=True)
+    set_faults(client, malformed_rate=1.0)
+    with client.stream("POST", "/generate", json=streamed) as response:
+        assert response.status_code == 200
+        raw = response.read()
+    # One event cut mid-JSON, and no [DONE].
+    assert raw == b"data: " + MALFORMED_BODY + b"\n\n"
+    set_faults(client, leak_prompt_tokens=True)
+    before = injected(client)["leaked"]
+    with client.stream("POST", "/generate", json=streamed) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line[6:7] == "{"]
+    prompt = streamed["input_ids"]
+    for n, chunk in enumerate(chunks, start=1):
+        assert chunk["output_ids"][: len(prompt)] == prompt
+        assert (
+            len(chunk["output_ids"])
+            == len(prompt) + n
+            == len(prompt) + chunk["meta_info"]["completion_tokens"]
+        )
+    assert injected(client)["leaked"] - before == 1
+    set_faults(client, error_rates={"503": 1.0})
+    response = client.post("/generate", json=streamed)
+    assert response.status_code == 503 and response.json()["code"] == 503
+
+
+def test_broken_tool_args_are_not_json_and_are_counted(
+    sim: SimServer, client: httpx.Client
+) -> None:
+    before = injected(client)["broken_tool_args"]
+    set_faults(client, broken_tool_args_rate=1.0)
+    outputs = tool_calls_over_http(sim.url, seeds=2)
+    broken = 0
+    for _, text in outputs:
+        calls = parse_tool_calls(text)
+        for call in calls:
+            with pytest.raises(ValueError):
+                json.loads(call.arguments)
+        broken += bool(calls)
+    assert broken >= 10
+    assert injected(client)["broken_tool_args"] - before == broken
+
+
 def test_faults_switch_at_runtime_and_back(client: httpx.Client) -> None:
     assert client.get("/sim/faults").json() == FaultConfig().to_json()
     assert client.post("/generate", json=payload()).status_code == 200
@@ -203,6 +323,9 @@ def test_faults_switch_at_runtime_and_back(client: httpx.Client) -> None:
         b'{"drop_rate": 0.6, "malformed_rate": 0.6}',
         b'{"error_rates": {"200": 0.5}}',
         b'{"error_rates": [[503, 0.5]]}',
+        b'{"stall_rate": 2}',
+        b'{"drip_bytes": 0}',
+        b'{"broken_tool_args_rate": -1}',
     ],
 )
 def test_invalid_fault_updates_are_refused_and_change_nothing(
@@ -271,6 +394,21 @@ def test_cli_flags_build_the_fault_config(monkeypatch: pytest.MonkeyPatch) -> No
         "--malformed-rate",
         "0.05",
         "--leak-prompt-tokens",
+        "--stall-rate",
+        "0.1",
+        "--stall-after-chunks",
+        "3",
+        "--drip-rate",
+        "0.2",
+        "--drip-interval-ms",
+        "5",
+        "--drip-bytes",
+        "4",
+        "--broken-tool-args-rate",
+        "0.3",
+        "--stream-interval",
+        "2",
+        "--incremental-streaming-output",
         "--fault-seed",
         "7",
     ]
@@ -282,8 +420,15 @@ def test_cli_flags_build_the_fault_config(monkeypatch: pytest.MonkeyPatch) -> No
         drop_rate=0.1,
         malformed_rate=0.05,
         leak_prompt_tokens=True,
+        stall_rate=0.1,
+        stall_after_chunks=3,
+        drip_rate=0.2,
+        drip_interval_ms=5.0,
+        drip_bytes=4,
+        broken_tool_args_rate=0.3,
         seed=7,
     )
+    assert seen[0].stream_interval == 2 and seen[0].incremental_streaming_output
     for bad in (["--error-rate", "503"], ["--drop-rate", "0.7", "--error-rate", "503=0.5"]):
         result = CliRunner().invoke(app, ["sim", *bad])
         assert result.exit_code == 2 and "error" in result.output

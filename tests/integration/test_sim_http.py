@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from eaglegen import assets
 from eaglegen.sim import SimConfig, SimServer
 from eaglegen.sim.metrics import parse
+from tests.unit.test_sim_tools import matches_schema, parse_tool_calls, render_ids, tool_rows
 
 IDS = assets.special_ids(assets.TOKENIZER_DIR)
 MODEL = "eaglegen/sim-reasoner"
@@ -271,6 +273,49 @@ def test_a_client_that_gives_up_frees_its_slot(sim: SimServer, client: httpx.Cli
     while metric_values(client)[f"sglang:num_running_reqs{GAUGE}"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert metric_values(client)[f"sglang:num_running_reqs{GAUGE}"] == 0
+
+
+def tool_calls_over_http(url: str, seeds: int) -> list[tuple[dict[str, Any], str]]:
+    """(row, generated text) for each sample row that declares tools, per sampling seed."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(assets.TOKENIZER_DIR), local_files_only=True)
+    rows = tool_rows()
+    calls = [
+        {
+            "input_ids": render_ids(hf, row),
+            "sampling_params": sampling(3000, sampling_seed=seed),
+            "rid": f"tools-{i}-{seed}",
+        }
+        for i, row in enumerate(rows)
+        for seed in range(seeds)
+    ]
+    responses = asyncio.run(_fire(url, calls))
+    assert all(r.status_code == 200 for r in responses)
+    by_rid = {r.json()["meta_info"]["id"]: r.json()["text"] for r in responses}
+    return [
+        (row, by_rid[f"tools-{i}-{seed}"]) for i, row in enumerate(rows) for seed in range(seeds)
+    ]
+
+
+def test_prompts_declaring_tools_get_calls_whose_arguments_fit_a_declared_schema(
+    sim: SimServer,
+) -> None:
+    calls = 0
+    for row, text in tool_calls_over_http(sim.url, seeds=4):
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in row["tools"]}
+        for call in parse_tool_calls(text):
+            assert matches_schema(json.loads(call.arguments), schemas[call.name])
+            calls += 1
+    assert calls >= 30
+
+
+def test_prompts_without_tools_get_no_tool_call(sim: SimServer) -> None:
+    calls = [{"input_ids": prompt(300 + i), "sampling_params": sampling(3000)} for i in range(40)]
+    for response in asyncio.run(_fire(sim.url, calls)):
+        body = response.json()
+        assert body["meta_info"]["finish_reason"]["type"] == "stop"
+        assert IDS.tool_calls_section_begin not in body["output_ids"]
 
 
 def test_startup_fails_fast_on_a_missing_tokenizer(tmp_path: Path) -> None:

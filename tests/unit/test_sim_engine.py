@@ -23,11 +23,14 @@ from eaglegen.sim.engine import (
     Sampling,
     Scheduler,
     ThroughputMeter,
+    ToolCaller,
+    ToolCallTokens,
     Vocab,
     decode_seconds,
     generate,
     has_tool_call,
     prefill_seconds,
+    stream_due,
     validate_lengths,
 )
 from eaglegen.sim.faults import MALFORMED_BODY, Fault, FaultInjector, choose, error_body
@@ -39,6 +42,7 @@ from eaglegen.sim.protocol import (
     parse_generate,
     response_body,
 )
+from eaglegen.sim.streaming import IncrementalText
 from eaglegen.sim.vocab import load_vocab, longest_free_run
 
 VOCAB = Vocab(
@@ -90,20 +94,73 @@ def test_natural_output_is_reasoning_think_end_answer_then_stop() -> None:
         assert all(0 <= t < VOCAB.vocab_size for t in ids)
 
 
-def test_about_one_in_five_outputs_has_a_well_formed_tool_section() -> None:
+def fixed_calls(count: int = 1, broken: bool = False) -> ToolCaller:
+    """A ToolCaller writing count calls of ordinary tokens drawn from the generation's rng."""
+
+    def calls(rng: random.Random) -> list[ToolCallTokens]:
+        return [
+            ToolCallTokens((20, 21 + i), tuple(rng.choices(range(30, 40), k=6)), broken)
+            for i in range(count)
+        ]
+
+    return calls
+
+
+def test_without_declared_tools_no_output_calls_one() -> None:
+    # A model offered no tools never calls one, whatever the prompt's digest says.
+    for i in range(200):
+        ids = natural(prompt(i)).output_ids
+        assert VOCAB.tool_section_begin not in ids and VOCAB.tool_call_begin not in ids
+
+
+def test_about_one_in_two_outputs_call_a_declared_tool_in_a_well_formed_section() -> None:
     with_tools = 0
-    for i in range(500):
+    for i in range(400):
         p = prompt(i)
-        ids = natural(p).output_ids
+        count = 1 + i % 2
+        out = generate(p, UNLIMITED, VOCAB, SHAPE, fixed_calls(count))
+        ids = out.output_ids
         tool = VOCAB.tool_section_begin in ids
-        assert tool == has_tool_call(p, 0)
-        if tool:
-            with_tools += 1
-            start, end = ids.index(VOCAB.tool_section_begin), ids.index(VOCAB.tool_section_end)
-            assert ids.index(VOCAB.think_end) < start < end == len(ids) - 2
-            assert ids[start + 1] == VOCAB.tool_call_begin and ids[end - 1] == VOCAB.tool_call_end
-            assert VOCAB.tool_call_argument_begin in ids[start:end]
-    assert 70 <= with_tools <= 130
+        assert tool == has_tool_call(p, 0) and not out.broken_tool_args
+        if not tool:
+            continue
+        with_tools += 1
+        start, end = ids.index(VOCAB.tool_section_begin), ids.index(VOCAB.tool_section_end)
+        assert ids.index(VOCAB.think_end) < start < end == len(ids) - 2
+        assert ids[-1] == VOCAB.im_end and out.finish.type == "stop"
+        calls, rest = [], ids[start + 1 : end]
+        while rest:
+            assert rest[0] == VOCAB.tool_call_begin
+            close = rest.index(VOCAB.tool_call_end)
+            calls.append(rest[1:close])
+            rest = rest[close + 1 :]
+        assert len(calls) == count
+        for n, call in enumerate(calls):
+            split = call.index(VOCAB.tool_call_argument_begin)
+            assert call[:split] == [20, 21 + n] and len(call[split + 1 :]) == 6
+    assert 160 <= with_tools <= 240
+
+
+def test_outputs_with_a_tool_call_keep_the_length_bound() -> None:
+    shape = OutputShape(mean_tokens=300, max_tokens=64)
+    for i in range(100):
+        out = generate(prompt(i), UNLIMITED, VOCAB, shape, fixed_calls(2))
+        assert len(out.output_ids) <= 64
+    # A section longer than the longest output is not written at all.
+    for i in range(20):
+        out = generate(prompt(i), UNLIMITED, VOCAB, OutputShape(max_tokens=16), fixed_calls(3))
+        assert VOCAB.tool_section_begin not in out.output_ids
+
+
+def test_a_broken_call_is_flagged_only_when_the_output_holds_it() -> None:
+    p = next(prompt(i) for i in range(100) if has_tool_call(prompt(i), 0))
+    full = generate(p, UNLIMITED, VOCAB, SHAPE, fixed_calls(broken=True))
+    assert full.broken_tool_args
+    start = full.output_ids.index(VOCAB.tool_section_begin)
+    before = generate(p, Sampling(max_new_tokens=start), VOCAB, SHAPE, fixed_calls(broken=True))
+    assert not before.broken_tool_args
+    inside = generate(p, Sampling(max_new_tokens=start + 1), VOCAB, SHAPE, fixed_calls(broken=True))
+    assert inside.broken_tool_args
 
 
 def test_lengths_vary_widely_with_a_bounded_long_tail() -> None:
@@ -166,6 +223,18 @@ def test_finish_reason_shapes_match_sglang() -> None:
     assert Finish("length", length=9).to_json() == {"type": "length", "length": 9}
     abort = Finish("abort", message="gone").to_json()
     assert abort["type"] == "abort" and abort["message"] == "gone"
+    assert Finish("abort", message="full", status_code=503).to_json() == {
+        "type": "abort",
+        "message": "full",
+        "status_code": 503,
+        "err_type": None,
+    }
+
+
+def test_stream_due_follows_sglangs_interval_rule() -> None:
+    assert [n for n in range(0, 8) if stream_due(n, 1)] == [1, 2, 3, 4, 5, 6, 7]
+    assert [n for n in range(0, 12) if stream_due(n, 4)] == [1, 5, 9]
+    assert [n for n in range(0, 8) if stream_due(n, 2)] == [1, 3, 5, 7]
 
 
 def test_context_length_messages_are_sglangs() -> None:
@@ -253,6 +322,25 @@ def test_each_job_takes_one_decode_step_per_token_after_the_prefill_token() -> N
     assert steps + 1 == 9  # 1 token from prefill, 9 from decode
     assert s.used_tokens == 0 and s.reserved_tokens == 0 and s.num_running == 0
     assert job.state is RequestState.DONE
+
+
+def test_generated_counts_the_tokens_a_stream_may_have_sent() -> None:
+    s = scheduler()
+    job = make_job(prompt(1), 6, ignore_eos=True)
+    s.submit(job)
+    assert s.generated(job) == 0
+    batch = s.admit()
+    assert batch is not None and s.generated(job) == 0  # prefilling
+    s.finish_prefill(batch)
+    counts = [s.generated(job)]
+    while job.state is RequestState.RUNNING:
+        s.decode_step()
+        counts.append(s.generated(job))
+    assert counts == [1, 2, 3, 4, 5, 6]
+    aborted = make_job(prompt(2), 6)
+    s.submit(aborted)
+    s.abort(aborted)
+    assert s.generated(aborted) == 0
 
 
 def test_admission_reserves_prompt_plus_max_new_tokens_fcfs() -> None:
@@ -433,7 +521,9 @@ def test_parse_batch_with_rid_list_prefix_and_per_item_params() -> None:
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": "9"}}, "valid integer", True),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]", False),
         ({"input_ids": [1], "sampling_params": {"n": 2}}, "parallel sampling", False),
-        ({"input_ids": [1], "stream": True}, "stream", False),
+        ({"input_ids": [1], "stream": "maybe"}, "stream: Input should be a valid boolean", True),
+        ({"input_ids": [1], "stream": None}, "stream: Input should be a valid boolean", True),
+        ({"input_ids": [1], "sampling_params": {"stream_interval": -1}}, "stream_interval", False),
         ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "Duplicate request IDs", False),
         ({"input_ids": [[1], [2]], "rid": ["a"]}, "rids length mismatch", False),
         ({"input_ids": list(range(1000))}, "longer than the model's context length", False),
@@ -469,6 +559,40 @@ def test_text_ids_trim_the_matched_stop_token_unless_no_stop_trim() -> None:
     assert ids_for_text(done, keep.items[0].text_options) == [20, 21, 4]
 
 
+# --- streaming ------------------------------------------------------------------------------
+
+
+def test_incremental_text_adds_whole_characters_and_ends_with_the_full_text() -> None:
+    from eaglegen import assets
+
+    vocab, tokenizer = load_vocab(assets.TOKENIZER_DIR)
+    for i in range(60):
+        ids = generate(prompt(i), UNLIMITED, vocab, SHAPE).output_ids
+        for skip in (True, False):
+
+            def decode(part: list[int], skip: bool = skip) -> str:
+                return str(tokenizer.decode(part, skip_special_tokens=skip))
+
+            text = IncrementalText(decode)
+            deltas = []
+            for end in range(1, len(ids), 1 + i % 3):
+                deltas.append(text.advance(ids, end))
+                assert decode(ids[:end]).startswith(text.text)
+                assert not text.text.endswith("\ufffd")
+            deltas.append(text.finish(decode(ids)))
+            assert "".join(deltas) == text.text == decode(ids)
+
+
+def test_incremental_text_holds_back_a_split_character() -> None:
+    from eaglegen import assets
+
+    _, tokenizer = load_vocab(assets.TOKENIZER_DIR)
+    ids = tokenizer.encode("a日", add_special_tokens=False).ids
+    assert len(ids) == 4  # "a", then one token per byte of the character
+    text = IncrementalText(lambda part: str(tokenizer.decode(part)))
+    assert [text.advance(ids, end) for end in range(1, 5)] == ["a", "", "", "日"]
+
+
 # --- metrics, config, vocabulary ------------------------------------------------------------
 
 
@@ -494,6 +618,10 @@ def test_metrics_render_with_sglang_names_and_parse_back() -> None:
 def test_config_validates_and_keeps_faults_off_by_default() -> None:
     config = SimConfig()
     assert config.kv_tokens == 159_000 and config.context_length == 32_768 and config.port == 0
+    # SGLang's defaults: a chunk per token, each with everything so far.
+    assert config.stream_interval == 1 and not config.incremental_streaming_output
+    with pytest.raises(ValueError):
+        SimConfig(stream_interval=0)
     assert not config.faults.any_enabled()
     assert config.tokenizer_path == SimConfig(tokenizer_dir=None).tokenizer_path
     assert FaultConfig(drop_rate=0.1).any_enabled()
@@ -541,6 +669,20 @@ def test_one_draw_picks_at_most_one_fault_from_tiled_rates() -> None:
     assert choose(FaultConfig(error_rates=((500, 1.0),)), 0.999999) == Fault("error", 500)
 
 
+def test_stall_and_drip_share_one_slice_split_by_streaming() -> None:
+    faults = FaultConfig(drop_rate=0.2, stall_rate=0.3, drip_rate=0.5)
+    assert faults.total_rate() == pytest.approx(0.7)
+    assert choose(faults, 0.1, stream=True) == choose(faults, 0.1) == Fault("drop")
+    assert choose(faults, 0.3, stream=True) == Fault("stall")
+    assert choose(faults, 0.6, stream=True) is None
+    assert choose(faults, 0.3) == choose(faults, 0.6) == Fault("drip")
+    assert choose(faults, 0.75) is None
+    # They never hit the same call, so together they may exceed what the others leave.
+    FaultConfig(error_rates=((503, 0.4),), stall_rate=0.6, drip_rate=0.6)
+    with pytest.raises(ValueError):
+        FaultConfig(error_rates=((503, 0.5),), stall_rate=0.6)
+
+
 def test_fault_config_validates_and_normalises() -> None:
     assert FaultConfig(error_rates=((503, 0.1), (429, 0.2))) == FaultConfig(
         error_rates=((429, 0.2), (503, 0.1))
@@ -555,6 +697,12 @@ def test_fault_config_validates_and_normalises() -> None:
         {"error_rates": ((503, 0.1), (503, 0.2))},
         {"error_rates": ((503, 0.6),), "drop_rate": 0.5},
         {"added_latency_ms": -1.0},
+        {"stall_rate": 1.5},
+        {"drip_rate": -0.1},
+        {"broken_tool_args_rate": 2.0},
+        {"stall_after_chunks": -1},
+        {"drip_bytes": 0},
+        {"drip_interval_ms": -5.0},
     ):
         with pytest.raises(ValueError):
             FaultConfig(**bad)
@@ -565,6 +713,16 @@ def test_fault_config_json_round_trip_and_rejections() -> None:
     assert body["error_rates"] == {"429": 0.1, "503": 0.2}
     assert FaultConfig.from_json(json.loads(json.dumps(body))) == MIXED
     assert FaultConfig.from_json({}) == FaultConfig()
+    new_knobs = FaultConfig(
+        stall_rate=0.2,
+        stall_after_chunks=3,
+        drip_rate=0.1,
+        drip_interval_ms=5,
+        drip_bytes=4,
+        broken_tool_args_rate=0.25,
+    )
+    assert FaultConfig.from_json(json.loads(json.dumps(new_knobs.to_json()))) == new_knobs
+    assert new_knobs.any_enabled()
     bad_bodies: list[object] = [
         [],
         {"drop": 0.1},
@@ -574,6 +732,8 @@ def test_fault_config_json_round_trip_and_rejections() -> None:
         {"drop_rate": True},
         {"seed": 1.5},
         {"unhealthy": 1},
+        {"stall_after_chunks": 1.5},
+        {"drip_bytes": "8"},
     ]
     for bad in bad_bodies:
         with pytest.raises(ValueError):
@@ -611,10 +771,14 @@ def test_injector_tallies_every_kind() -> None:
     injector.replace(FaultConfig(drop_rate=0.5, malformed_rate=0.5, unhealthy=True))
     for _ in range(10):
         injector.decide()
+    injector.replace(FaultConfig(stall_rate=1.0, drip_rate=1.0, unhealthy=True))
+    assert injector.decide(stream=True).fault == Fault("stall")
+    assert injector.decide().fault == Fault("drip")
     assert not injector.health_ok()
     stats = injector.stats.to_json()
     injected = stats["injected"]
-    assert stats["generate_requests"] == 11 and injected["errors"] == {"503": 1}
+    assert stats["generate_requests"] == 13 and injected["errors"] == {"503": 1}
+    assert injected["stalled"] == injected["dripped"] == 1 and injected["broken_tool_args"] == 0
     assert injected["dropped"] + injected["malformed"] == 10 and injected["dropped"] > 0
     assert injected["delayed"] == 1 and injected["unhealthy_health_checks"] == 1
     injector.replace(FaultConfig())
