@@ -177,9 +177,10 @@ def _announced_url(process: subprocess.Popen[bytes], log: Path) -> str:
 
 @contextmanager
 def worker_process(
-    settings: Settings, sim_url: str, concurrency: int, log: Path
+    settings: Settings, sim_url: str, concurrency: int, log: Path, stream: bool = False
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`eaglegen worker --concurrency N` with an in-flight limit of N on the simulator."""
+    """`eaglegen worker --concurrency N` with an in-flight limit of N on the simulator
+    (asking for streamed answers with ``stream``)."""
     assert settings.database_url and settings.broker_url
     env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
     env |= {
@@ -189,6 +190,7 @@ def worker_process(
         "EAGLEGEN_SERVERS": json.dumps([{"name": "sim", "url": sim_url}]),
         "EAGLEGEN_SERVER_MAX_INFLIGHT": str(concurrency),
         "EAGLEGEN_DATA_DIR": str(log.parent),
+        "EAGLEGEN_STREAM": "true" if stream else "false",
     }
     command = [sys.executable, "-m", "eaglegen", "worker", "--concurrency", str(concurrency)]
     with log.open("wb") as out:
@@ -325,7 +327,8 @@ def benchmark(args: argparse.Namespace) -> list[Measurement]:
         enqueue(settings.model_copy(update={"queue": "bench-unconsumed"}), path, "ids", 1)
         inputs, params = take_prompts(repo)
         params["max_new_tokens"] = args.max_new_tokens
-        with worker_process(settings, url, args.concurrency, logs / "worker.log") as worker:
+        log = logs / "worker.log"
+        with worker_process(settings, url, args.concurrency, log, args.stream) as worker:
             pids = {"worker": worker.pid, "sim": sim.pid, "bench": os.getpid()}
             for i in range(args.rounds):
                 bare = measure(
@@ -365,6 +368,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=600)
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--rounds", type=int, default=2, help="bare+pipeline pairs")
+    parser.add_argument(
+        "--stream", action="store_true", help="the worker asks for streamed answers"
+    )
     parser.add_argument("--kv-tokens", type=int, default=2_000_000)
     parser.add_argument("--decode-step-ms", type=float, default=10.0)
     parser.add_argument("--decode-ms-per-request", type=float, default=0.05)
