@@ -6,6 +6,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from models.tokens import pack
@@ -202,3 +203,48 @@ class DatasetCounts:
     def total(self) -> int:
         """All jobs of the dataset, whatever their state."""
         return sum(self.states.values())
+
+
+@dataclass(frozen=True)
+class ExportRun:
+    """What an export's manifest says about its run: identity, tokenization, sampling."""
+
+    id: int
+    name: str
+    model_name: str
+    tokenizer_path: str
+    tokenizer_sha256: str
+    chat_template_sha256: str
+    chat_template_kwargs: dict[str, Any]
+    think_end_id: int | None
+    # Dataset name -> its sampling params, for every dataset of the run.
+    sampling: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ExportedGeneration:
+    """One done job's generation as stored: ids stay packed (``models.tokens``)."""
+
+    job_id: int
+    dataset: str
+    row_index: int
+    prompt_packed: bytes
+    output_packed: bytes
+    finish_type: str
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+    server: str
+    think_end_present: bool | None
+    reasoning_tokens: int | None
+    answer_tokens: int | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ExportCursor:
+    """Where an incremental export starts: every generation recorded at or after
+    ``since`` whose job is not in ``seen`` (those an earlier export already read)."""
+
+    since: datetime
+    seen: frozenset[int] = frozenset()

@@ -13,6 +13,7 @@ from sqlalchemy.exc import OperationalError
 
 from models.audit import AuditQueries
 from models.budgets import BudgetQueries
+from models.export import ExportQueries
 from models.jobs import JobQueries
 from models.records import (
     DatasetCounts,
@@ -97,7 +98,7 @@ def _insert_staged(cursor: psycopg.Cursor[Any], dataset_id: int, batch: JobBatch
     return [int(r[0]) for r in cursor.fetchall()]
 
 
-class Repository(JobQueries, BudgetQueries, AuditQueries):
+class Repository(JobQueries, BudgetQueries, AuditQueries, ExportQueries):
     """All SQL behind named methods; one instance per process, shared by threads."""
 
     def __init__(self, engine: Engine) -> None:
