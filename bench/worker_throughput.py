@@ -154,6 +154,8 @@ def sim_process(
         *("--kv-tokens", str(args.kv_tokens), "--max-running-requests", "4096"),
         *("--decode-step-ms", str(args.decode_step_ms)),
         *("--decode-ms-per-request", str(args.decode_ms_per_request)),
+        *("--stream-interval", str(args.stream_interval)),
+        *(("--incremental-streaming-output",) if args.incremental else ()),
     ]
     env = {**os.environ, "COLUMNS": "200"}  # one line per message in the log
     with log.open("wb") as out:
@@ -370,6 +372,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="bare+pipeline pairs")
     parser.add_argument(
         "--stream", action="store_true", help="the worker asks for streamed answers"
+    )
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="the simulator's, as SGLang's"
+    )
+    parser.add_argument(
+        "--incremental",
+        action="store_true",
+        help="the simulator streams only new ids (SGLang's --incremental-streaming-output)",
     )
     parser.add_argument("--kv-tokens", type=int, default=2_000_000)
     parser.add_argument("--decode-step-ms", type=float, default=10.0)
