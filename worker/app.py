@@ -191,8 +191,11 @@ def release_held(ctx: WorkerContext) -> list[int]:
         if ctx.repo.release(j, ctx.name, "worker stopped before the request finished", refund=True)
     ]
     try:
-        ctx.publisher.publish(released)
         ctx.router.release_all()  # else other workers lose these slots for slot_lease_seconds
+    except redis.RedisError as exc:
+        log.warning("slots not given back (%s): their leases lapse by themselves", exc)
+    try:
+        ctx.publisher.publish(released)
     except redis.RedisError as exc:
         log.warning("released jobs not published (%s): the reconciler will", exc)
     return released
