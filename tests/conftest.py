@@ -21,7 +21,7 @@ from core.urls import normalize_database_url
 from eaglegen.stack import EmbeddedPostgres, EmbeddedRedis
 from models.db import make_engine
 from models.repository import Repository
-from tests.helpers import InspectRepository
+from tests.helpers import InspectRepository, libpq_url
 
 if TYPE_CHECKING:
     from eaglegen.sim import SimServer
@@ -31,11 +31,6 @@ for _name in [n for n in os.environ if n.startswith("EAGLEGEN_") and "_TEST_" no
     del os.environ[_name]
 
 _counter = itertools.count()
-
-
-def _plain(url: str) -> str:
-    """A SQLAlchemy URL in the form psycopg.connect accepts."""
-    return normalize_database_url(url).replace("postgresql+psycopg", "postgresql", 1)
 
 
 def _with_database(url: str, name: str) -> str:
@@ -74,12 +69,12 @@ def template_database(service_urls: tuple[str, str]) -> Iterator[str]:
 
     admin, _ = service_urls
     name = f"eaglegen_tpl_{os.getpid()}"
-    with psycopg.connect(_plain(admin), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(admin), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
         conn.execute(f'CREATE DATABASE "{name}"')
     upgrade(_with_database(admin, name))
     yield name
-    with psycopg.connect(_plain(admin), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(admin), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
@@ -88,10 +83,10 @@ def database_url(service_urls: tuple[str, str], template_database: str) -> Itera
     """A fresh, migrated database for this test only."""
     admin, _ = service_urls
     name = f"eaglegen_t_{os.getpid()}_{next(_counter)}"
-    with psycopg.connect(_plain(admin), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(admin), autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
     yield _with_database(admin, name)
-    with psycopg.connect(_plain(admin), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(admin), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 

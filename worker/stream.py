@@ -33,17 +33,19 @@ def events(
     A stream that sends bytes but no complete event for ``stall_s`` (a drip) fails, and so
     does an event larger than ``max_event_bytes``; complete silence is the read timeout's.
     """
-    pending = b""
+    pending = bytearray()
     last_event = clock()
     for chunk in chunks:
+        # Look for an event's end only in what is new (and the byte before it): an event that
+        # arrives in many pieces is scanned once, not once per piece.
+        start = max(len(pending) - 1, 0)
         pending += chunk
-        *complete, pending = pending.split(b"\n\n")
-        for event in complete:
+        while (end := pending.find(b"\n\n", start)) >= 0:
+            event = bytes(pending[:end])
+            del pending[: end + 2]
+            start = 0
             last_event = clock()
-            data = b"\n".join(
-                line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")
-            )
-            if data:
+            if data := _data(event):
                 yield data
         if len(pending) > max_event_bytes:
             raise AttemptError(
@@ -56,6 +58,11 @@ def events(
                 "far): a stalled or dripping server",
                 retryable=True,
             )
+
+
+def _data(event: bytes) -> bytes:
+    """The payload of one event: its ``data:`` lines joined."""
+    return b"\n".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:"))
 
 
 class Assembler:

@@ -57,11 +57,26 @@ def command(group: typer.Typer, name: str | None = None, **options: Any) -> Call
                 return fn(*args, **kwargs)
             except FORESEEABLE as exc:
                 fail(one_line(exc))
+            except Exception as exc:
+                if not _lock_timeout(exc):
+                    raise
+                fail(
+                    f"a row this command needs stayed locked for over {CONTROL_LOCK_MS} ms (a "
+                    "stuck or frozen session holds it; see pg_stat_activity): its transaction "
+                    "was rolled back; run it again"
+                )
 
         group.command(name, **options)(run)
         return fn
 
     return register
+
+
+def _lock_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a statement that waited out its session's lock_timeout."""
+    from models.db import is_lock_timeout
+
+    return is_lock_timeout(exc)
 
 
 def one_line(exc: BaseException) -> str:
@@ -140,15 +155,13 @@ def with_lock_retries(action: Callable[[], T], what: str) -> T:
     """Run ``action``, again while it fails on a lock held by others, for CONTROL_RETRY_S;
     then a ValueError saying nothing was changed. Under load the workers hold a dataset's
     row for milliseconds at a time, so one of the tries gets in between."""
-    from models.db import is_lock_timeout
-
     deadline = time.monotonic() + CONTROL_RETRY_S
     told = False
     while True:
         try:
             return action()
         except Exception as exc:
-            if not is_lock_timeout(exc):
+            if not _lock_timeout(exc):
                 raise
             if time.monotonic() > deadline:
                 raise ValueError(

@@ -18,6 +18,7 @@ from eaglegen.cli.base import (
     load_settings,
     repository,
     services,
+    with_lock_retries,
 )
 
 app = typer.Typer()
@@ -55,12 +56,15 @@ def reconcile(
         redis.Redis.from_url(live.broker_url) as client,
         Publisher(live.broker_url, settings.queue) as publisher,
     ):
-        report = run_reconcile(
-            repo,
-            client,
-            publisher,
-            max_attempts=settings.max_attempts,
-            republish_after_s=settings.republish_after_s,
+        report = with_lock_retries(
+            lambda: run_reconcile(
+                repo,
+                client,
+                publisher,
+                max_attempts=settings.max_attempts,
+                republish_after_s=settings.republish_after_s,
+            ),
+            "a job or dataset row",
         )
     if json_out:
         emit_json(report.as_dict())

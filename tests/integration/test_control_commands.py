@@ -3,6 +3,7 @@ client that goes away leaves no server session waiting behind it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -14,14 +15,13 @@ from pathlib import Path
 import psycopg
 
 from core.settings import Settings
-from core.urls import normalize_database_url
-from tests.helpers import enqueue_file, sample_rows, write_jsonl
+from tests.helpers import enqueue_file, libpq_url, sample_rows, write_jsonl
 from tests.integration.test_worker_processes import eaglegen, worker_env
 
 
 def _libpq(settings: Settings) -> str:
     assert settings.database_url is not None
-    return normalize_database_url(settings.database_url).replace("postgresql+psycopg", "postgresql")
+    return libpq_url(settings.database_url)
 
 
 @contextmanager
@@ -81,3 +81,24 @@ def test_budget_set_gets_a_lock_held_for_a_while_by_retrying(
     text = " ".join(result.stderr.split())
     assert "dataset 'd' is busy; retrying for up to 30 s" in text
     assert "d: budget 10.0M" in text
+
+
+def test_reconcile_waits_out_a_held_ledger_row_by_retrying(
+    settings: Settings, tmp_path: Path
+) -> None:
+    # A job whose worker died: re-queueing it settles its dataset's ledger row, held here.
+    enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(1)))
+    with psycopg.connect(_libpq(settings), autocommit=True) as conn:
+        conn.execute(
+            "UPDATE jobs SET state = 'running', attempts = 1, worker = 'gone',"
+            " lease_until = now() - interval '1 minute'"
+        )
+    env = worker_env(settings, [])
+    with ledger_row_locked(settings) as holder:
+        release = threading.Timer(5.0, holder.rollback)
+        release.start()
+        result = eaglegen(env, "reconcile", "--json")
+        release.join()
+    assert result.returncode == 0, result.stderr
+    assert "a job or dataset row is busy; retrying" in " ".join(result.stderr.split())
+    assert json.loads(result.stdout)["expired_leases"] == 1

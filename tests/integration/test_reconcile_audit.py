@@ -93,8 +93,8 @@ def test_reconciler_republishes_in_bounded_commands(
     settings: Settings, repo: Repository, tmp_path: Path
 ) -> None:
     # Redis restarted empty under N queued jobs: the messages go back in LPUSHes of at most
-    # PUSH_BYTES each, not in one command of all N built whole in memory (a million jobs
-    # would be a ~1 GB command, at the server's client-query-buffer-limit).
+    # PUSH_BYTES each, not in one command of all N built whole in memory, which for a large
+    # run meets the server's client-query-buffer-limit (message size: BENCHMARKS.md).
     rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3000)]
     enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", rows))
     ids = repo.job_ids()
@@ -108,7 +108,7 @@ def test_reconciler_republishes_in_bounded_commands(
         assert waiting_job_ids(client, settings.queue) == set(ids)
         total = sum(len(m) for m in client.lrange(settings.queue, 0, -1))
         calls = client.info("commandstats")["cmdstat_lpush"]["calls"]
-        assert total > 2 << 20  # ~1 KB a message
+        assert total > 8 * PUSH_BYTES  # enough messages for several commands
         assert calls >= total / PUSH_BYTES
     finally:
         client.close()
