@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import Connection, Engine, and_, case, func, select
+from sqlalchemy import Connection, Engine, and_, case, func, select, text
 
+from models.counters import state_column
 from models.schema import Dataset, Generation, Job, Run
 from models.states import JobState
 
@@ -38,6 +39,7 @@ class AuditQueries:
             if orphans:
                 problems.append(f"{orphans} generation(s) belong to jobs that are not done")
             problems += self._ledger_problems(conn)
+            problems += _counter_problems(conn)
             stale = conn.scalar(
                 select(func.count())
                 .select_from(Job)
@@ -110,3 +112,45 @@ class AuditQueries:
         )
         with self.engine.connect() as conn:
             return [(r, d, int(o)) for r, d, o in conn.execute(stmt)]
+
+
+_COUNTED = """
+SELECT r.name, d.name, c.state, c.n, c.prompt, c.completion
+FROM datasets d JOIN runs r ON r.id = d.run_id
+JOIN (
+    SELECT j.dataset_id, j.state, count(*) AS n,
+        coalesce(sum(g.prompt_tokens), 0) AS prompt,
+        coalesce(sum(g.completion_tokens), 0) AS completion
+    FROM jobs j LEFT JOIN generations g ON g.job_id = j.id AND j.state = 'done'
+    GROUP BY j.dataset_id, j.state
+) c ON c.dataset_id = d.id
+"""
+
+
+def _counter_problems(conn: Connection) -> list[str]:
+    """The datasets' counters (models.counters) against their jobs and generations."""
+    real: dict[tuple[str, str], dict[str, int]] = {}
+    for run, dataset, state, n, prompt, completion in conn.execute(text(_COUNTED)):
+        figures = real.setdefault((run, dataset), {})
+        figures[state_column(JobState(state))] = int(n)
+        if state == DONE:
+            figures["done_prompt_tokens"] = int(prompt)
+            figures["done_completion_tokens"] = int(completion)
+    columns = [
+        *(state_column(s) for s in JobState),
+        "done_prompt_tokens",
+        "done_completion_tokens",
+    ]
+    stmt = select(Run.name, Dataset.name, *(getattr(Dataset, c) for c in columns)).join(
+        Run, Run.id == Dataset.run_id
+    )
+    problems = []
+    for run, dataset, *kept in conn.execute(stmt):
+        figures = real.get((run, dataset), {})
+        for column, value in zip(columns, kept, strict=True):
+            if value != figures.get(column, 0):
+                problems.append(
+                    f"{run}/{dataset}: counter {column} is {value}, "
+                    f"the jobs say {figures.get(column, 0)}"
+                )
+    return problems

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, func, select, update
 
+from models.counters import moved
 from models.schema import Dataset, Job, Run
 from models.states import JobState
 
@@ -88,5 +89,10 @@ class BudgetQueries:
                 .where(Job.dataset_id == dataset_id, Job.state == JobState.SKIPPED_BUDGET.value)
                 .values(state=JobState.QUEUED.value, updated_at=func.now())
                 .returning(Job.id)
+            ).all()
+            conn.execute(
+                update(Dataset)
+                .where(Dataset.id == dataset_id)
+                .values(moved(JobState.SKIPPED_BUDGET, JobState.QUEUED, len(requeued)))
             )
             return sorted(int(i) for i in requeued)

@@ -5,15 +5,18 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, Connection, Engine, and_, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from models.counters import moved, recorded
 from models.ledger import BudgetBasis, settled, worst_case
 from models.records import Claim, ClaimedJob, GenerationRecord, RunModel
-from models.schema import Dataset, Generation, Job, Run
+from models.schema import Dataset, FailedAttempt, Generation, Job, Run
 from models.states import JobState
 
 RUNNING = JobState.RUNNING.value
+# The class of a failed attempt a lapsed lease stands for (the worker died or froze).
+LEASE_EXPIRED = "lease_expired"
 
 
 class _Rollback(Exception):
@@ -56,27 +59,58 @@ class JobQueries:
                     select(Dataset.budget_basis).where(Dataset.id == job.dataset_id)
                 )
                 cost = settled(gen.prompt_tokens, gen.completion_tokens, BudgetBasis(str(basis)))
-                _settle(conn, job, JobState.DONE, used=cost, error=None)
+                done = recorded(gen.prompt_tokens, gen.completion_tokens)
+                _settle(conn, job, JobState.DONE, used=cost, error=None, counted=done)
         except _Rollback:
             return False
         return True
 
-    def release(self, job_id: int, worker: str, error: str, *, refund: bool = False) -> bool:
-        """Give a running job back to the queue; ``refund`` when it was not its fault."""
-        with self.engine.begin() as conn:
-            job = _lock_running(conn, job_id, worker)
-            if job is None:
-                return False
-            _settle(conn, job, JobState.QUEUED, used=0, error=error, refund=refund)
-        return True
+    def release(
+        self,
+        job_id: int,
+        worker: str,
+        error: str,
+        *,
+        refund: bool = False,
+        server: str | None = None,
+        kind: str | None = None,
+    ) -> bool:
+        """Give a running job back to the queue; ``refund`` when it was not its fault.
+        With ``kind``, the attempt is counted as failed (on ``server``) for `status`."""
+        return self._end_attempt(
+            job_id, worker, JobState.QUEUED, error, refund=refund, server=server, kind=kind
+        )
 
-    def fail(self, job_id: int, worker: str, error: str) -> bool:
+    def fail(
+        self,
+        job_id: int,
+        worker: str,
+        error: str,
+        *,
+        server: str | None = None,
+        kind: str | None = None,
+    ) -> bool:
         """End a running job as failed with the reason, releasing its reservation."""
+        return self._end_attempt(job_id, worker, JobState.FAILED, error, server=server, kind=kind)
+
+    def _end_attempt(
+        self,
+        job_id: int,
+        worker: str,
+        target: JobState,
+        error: str,
+        *,
+        refund: bool = False,
+        server: str | None,
+        kind: str | None,
+    ) -> bool:
         with self.engine.begin() as conn:
             job = _lock_running(conn, job_id, worker)
             if job is None:
                 return False
-            _settle(conn, job, JobState.FAILED, used=0, error=error)
+            if kind is not None:
+                _count_failure(conn, [job.dataset_id], server, kind)
+            _settle(conn, job, target, used=0, error=error, refund=refund)
         return True
 
     def extend_leases(self, job_ids: list[int], worker: str, lease_seconds: int) -> int:
@@ -100,6 +134,7 @@ class JobQueries:
                 .where(Job.state == RUNNING, Job.lease_until < func.now())
                 .with_for_update(skip_locked=True)
             ).all()
+            _count_failure(conn, [row.dataset_id for row in rows], None, LEASE_EXPIRED)
             for row in rows:
                 target = JobState.QUEUED if row.attempts < max_attempts else JobState.FAILED
                 error = f"lease expired (worker gone?) after attempt {row.attempts}"
@@ -195,8 +230,6 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
         conn, job.dataset_id, need, _nothing_held()
     )
     if not reserved:
-        if not _budget_spent(conn, job.dataset_id):
-            raise _Rollback("deferred")
         conn.execute(
             update(Job)
             .where(Job.id == job_id)
@@ -208,6 +241,8 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
                 reserved_tokens=0,
             )
         )
+        if not _skip_if_spent(conn, job.dataset_id):
+            raise _Rollback("deferred")  # undoes the skip above
         return Claim("skipped")
     return Claim(
         "claimed",
@@ -240,28 +275,34 @@ def _nothing_held() -> ColumnElement[bool]:
 def _reserve_where(
     conn: Connection, dataset_id: int, need: int, condition: ColumnElement[bool]
 ) -> bool:
-    """Reserve ``need`` in the dataset's ledger if ``condition`` holds, in one statement."""
+    """Reserve ``need`` in the dataset's ledger if ``condition`` holds, in one statement
+    (which also counts the job as running)."""
     reserved = conn.scalar(
         update(Dataset)
         .where(Dataset.id == dataset_id, condition)
-        .values(reserved_tokens=Dataset.reserved_tokens + need)
+        .values(
+            reserved_tokens=Dataset.reserved_tokens + need,
+            **moved(JobState.QUEUED, JobState.RUNNING),
+        )
         .returning(Dataset.id)
     )
     return reserved is not None
 
 
-def _budget_spent(conn: Connection, dataset_id: int) -> bool:
-    """Whether settled usage reached the budget.
+def _skip_if_spent(conn: Connection, dataset_id: int) -> bool:
+    """Count one queued job as skipped if settled usage reached the budget; whether it did.
 
-    The share lock is taken only on this rare path: it makes a concurrent `budget set`
-    (which locks the row for update) wait for this skip, so the raise re-queues it.
+    One conditional UPDATE, so the check and the count are atomic: the row lock it takes
+    makes a concurrent `budget set` (which locks the row for update) wait for this skip, and
+    the set's re-queue then covers it.
     """
-    spent = conn.scalar(
-        select(Dataset.used_tokens >= Dataset.budget_tokens)
-        .where(Dataset.id == dataset_id)
-        .with_for_update(read=True)
+    skipped = conn.scalar(
+        update(Dataset)
+        .where(Dataset.id == dataset_id, Dataset.used_tokens >= Dataset.budget_tokens)
+        .values(moved(JobState.QUEUED, JobState.SKIPPED_BUDGET))
+        .returning(Dataset.id)
     )
-    return bool(spent)
+    return skipped is not None
 
 
 def _lock_running(conn: Connection, job_id: int, worker: str) -> Any:
@@ -280,8 +321,10 @@ def _settle(
     used: int,
     error: str | None,
     refund: bool = False,
+    counted: dict[str, Any] | None = None,
 ) -> None:
-    """Move a locked running job to ``target`` and return its reservation to the ledger."""
+    """Move a locked running job to ``target`` and return its reservation to the ledger;
+    ``counted``: more dataset counters to move (a recorded generation's)."""
     values: dict[str, Any] = {
         "state": target.value,
         "reserved_tokens": 0,
@@ -300,8 +343,19 @@ def _settle(
         .values(
             used_tokens=Dataset.used_tokens + used,
             reserved_tokens=Dataset.reserved_tokens - job.reserved_tokens,
+            **moved(JobState.RUNNING, target),
+            **(counted or {}),
         )
     )
+
+
+def _count_failure(conn: Connection, dataset_ids: list[int], server: str | None, kind: str) -> None:
+    """Note failed attempts for `status` (one row each; read by time range)."""
+    if dataset_ids:
+        conn.execute(
+            insert(FailedAttempt),
+            [{"dataset_id": d, "server": server, "kind": kind[:32]} for d in dataset_ids],
+        )
 
 
 def generation_values(gen: GenerationRecord) -> dict[str, Any]:

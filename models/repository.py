@@ -13,6 +13,7 @@ from sqlalchemy.exc import OperationalError
 
 from models.audit import AuditQueries
 from models.budgets import BudgetQueries
+from models.counters import moved
 from models.export import ExportQueries
 from models.jobs import JobQueries
 from models.records import (
@@ -212,13 +213,19 @@ class Repository(JobQueries, BudgetQueries, AuditQueries, ExportQueries):
             assert driver is not None, "a checked-out connection has its driver connection"
             try:
                 with driver.cursor() as cursor:
-                    copied = _copy_new_jobs(cursor, dataset_id, batch) if expect_new else None
-                    return (
-                        copied if copied is not None else _insert_staged(cursor, dataset_id, batch)
-                    )
+                    ids = _copy_new_jobs(cursor, dataset_id, batch) if expect_new else None
+                    if ids is None:
+                        ids = _insert_staged(cursor, dataset_id, batch)
             except psycopg.OperationalError as exc:
                 # Past SQLAlchemy here: raise what every other query raises on a lost server.
                 raise OperationalError(_COPY_STAGE, None, exc) from exc
+            if ids:
+                conn.execute(
+                    update(Dataset)
+                    .where(Dataset.id == dataset_id)
+                    .values(moved(None, JobState.QUEUED, len(ids)))
+                )
+            return ids
 
     def record_rejections(self, dataset_id: int, rejections: Iterable[Rejection]) -> None:
         """Store rejected rows; a row rejected again on a re-run is kept once."""

@@ -37,6 +37,10 @@ def _now() -> Mapped[datetime]:
     return mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)
 
 
+def _counter() -> Mapped[int]:
+    return mapped_column(BigInteger, server_default="0", nullable=False)
+
+
 class Run(Base):
     """One data-generation run for one target model and tokenizer."""
 
@@ -78,6 +82,17 @@ class Dataset(Base):
     budget_basis: Mapped[str] = mapped_column(String(16), server_default="completion")
     used_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     reserved_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # Jobs by state and the done jobs' tokens, moved by the statement of each transaction
+    # that moves a job (models.counters): `status` reads them instead of scanning the jobs.
+    jobs_queued: Mapped[int] = _counter()
+    jobs_running: Mapped[int] = _counter()
+    jobs_done: Mapped[int] = _counter()
+    jobs_failed: Mapped[int] = _counter()
+    jobs_skipped: Mapped[int] = _counter()
+    done_prompt_tokens: Mapped[int] = _counter()
+    done_completion_tokens: Mapped[int] = _counter()
+    first_done_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    last_done_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     created_at: Mapped[datetime] = _now()
 
 
@@ -120,6 +135,9 @@ class Generation(Base):
     """The exact output of one job; the primary key makes a second record impossible."""
 
     __tablename__ = "generations"
+    # `status` reads the last minutes of generations by this index: its cost stays that of
+    # the window however long the run.
+    __table_args__ = (Index("ix_generations_created_at", "created_at"),)
 
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     output_ids: Mapped[list[int]] = mapped_column(TokenArray)
@@ -136,6 +154,23 @@ class Generation(Base):
     answer_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     meta_info: Mapped[dict[str, Any]] = mapped_column(JSONB)
     created_at: Mapped[datetime] = _now()
+
+
+class FailedAttempt(Base):
+    """One failed attempt (retried or final): which server, what class of error, when.
+
+    `status` shows errors by server and class over the last minutes; the job keeps only its
+    last error. Rows are few (one per failed attempt) and read by time range.
+    """
+
+    __tablename__ = "failed_attempts"
+    __table_args__ = (Index("ix_failed_attempts_at", "at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"))
+    server: Mapped[str | None] = mapped_column(Text, nullable=True)  # None: no server's fault
+    kind: Mapped[str] = mapped_column(String(32))
+    at: Mapped[datetime] = _now()
 
 
 class RejectedRow(Base):

@@ -102,3 +102,46 @@ def test_0005_marks_the_jobs_of_runs_that_expected_reasoning(database_url: str) 
         )
     engine.dispose()
     assert marked == {"reasoning": True, "plain": False}
+
+
+def test_0007_counts_the_jobs_a_dataset_already_has(database_url: str) -> None:
+    # 0007 keeps jobs by state and done tokens on the dataset row; it fills them from the
+    # jobs and generations stored before it.
+    command.downgrade(alembic_config(database_url), "0006")
+    states = ["queued", "queued", "running", "done", "done", "failed", "skipped_budget"]
+    engine = make_engine(database_url)
+    with engine.begin() as conn:
+        dataset = old_dataset(conn, "r")
+        for row, state in enumerate(states):
+            job = NewJob(row, [1, 2, row + 3], {"messages": [], "tools": None})
+            job_id = conn.execute(
+                text(
+                    "INSERT INTO jobs (dataset_id, row_index, prompt_sha256, input_ids,"
+                    " prompt_tokens, messages, state) VALUES (:d, :r, :sha, :ids, 3, '{}', :s)"
+                    " RETURNING id"
+                ),
+                {"d": dataset, "r": row, "sha": job.prompt_sha256, "ids": job.packed, "s": state},
+            ).scalar_one()
+            if state == "done":
+                conn.execute(
+                    text(
+                        "INSERT INTO generations (job_id, output_ids, finish_type, prompt_tokens,"
+                        " completion_tokens, cached_tokens, e2e_latency, server, meta_info)"
+                        " VALUES (:j, '\\x', 'stop', 3, :c, 0, 0.1, 's', '{}')"
+                    ),
+                    {"j": job_id, "c": 5 + row},
+                )
+        conn.execute(text("UPDATE datasets SET used_tokens = 17 WHERE id = :d"), {"d": dataset})
+    command.upgrade(alembic_config(database_url), "head")
+    with engine.connect() as conn:
+        counters = conn.execute(
+            text(
+                "SELECT jobs_queued, jobs_running, jobs_done, jobs_failed, jobs_skipped,"
+                " done_prompt_tokens, done_completion_tokens, first_done_at IS NOT NULL"
+                " FROM datasets WHERE id = :d"
+            ),
+            {"d": dataset},
+        ).one()
+    assert tuple(counters) == (2, 1, 2, 1, 1, 6, (5 + 3) + (5 + 4), True)
+    assert InspectRepository(engine).audit(lease_grace_s=1e9) == []
+    engine.dispose()

@@ -1,0 +1,49 @@
+"""The per-dataset job counters: what a statement that moves jobs adds to its dataset row.
+
+Every transaction that changes a job's state updates the job's dataset row anyway (the
+ledger), so the counters ride on that same UPDATE: no extra statement and no extra lock on
+the hot row. `eaglegen audit` checks them against the jobs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func
+
+from models.schema import Dataset
+from models.states import JobState
+
+_COLUMN = {
+    JobState.QUEUED: "jobs_queued",
+    JobState.RUNNING: "jobs_running",
+    JobState.DONE: "jobs_done",
+    JobState.FAILED: "jobs_failed",
+    JobState.SKIPPED_BUDGET: "jobs_skipped",
+}
+
+
+def moved(source: JobState | None, target: JobState | None, n: int = 1) -> dict[str, Any]:
+    """Column values of an UPDATE of datasets for ``n`` jobs moving ``source`` → ``target``
+    (None: the jobs are new, or gone)."""
+    values: dict[str, Any] = {}
+    if source is not None:
+        values[_COLUMN[source]] = getattr(Dataset, _COLUMN[source]) - n
+    if target is not None:
+        values[_COLUMN[target]] = getattr(Dataset, _COLUMN[target]) + n
+    return values
+
+
+def recorded(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """Column values for one generation recorded: the done jobs' tokens and times."""
+    return {
+        "done_prompt_tokens": Dataset.done_prompt_tokens + prompt_tokens,
+        "done_completion_tokens": Dataset.done_completion_tokens + completion_tokens,
+        "first_done_at": func.coalesce(Dataset.first_done_at, func.now()),
+        "last_done_at": func.now(),
+    }
+
+
+def state_column(state: JobState) -> str:
+    """The datasets column that counts jobs in ``state``."""
+    return _COLUMN[state]
