@@ -49,7 +49,7 @@ class JobQueries:
                     return False
                 inserted = conn.scalar(
                     pg_insert(Generation)
-                    .values(job_id=job_id, **generation_values(gen))
+                    .values(job_id=job_id, dataset_id=job.dataset_id, **generation_values(gen))
                     .on_conflict_do_nothing(index_elements=[Generation.job_id])
                     .returning(Generation.job_id)
                 )

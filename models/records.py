@@ -206,6 +206,60 @@ class DatasetCounts:
 
 
 @dataclass(frozen=True)
+class Window:
+    """What was recorded within the last ``seconds``."""
+
+    seconds: int
+    completions: int = 0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class DatasetStatus:
+    """A dataset's counters, ledger and recent windows, as `eaglegen status` reads them."""
+
+    run: str
+    dataset: str
+    states: dict[str, int]
+    done_prompt_tokens: int
+    done_completion_tokens: int
+    budget_tokens: int | None
+    budget_basis: str
+    used_tokens: int
+    reserved_tokens: int
+    first_done_at: datetime | None
+    last_done_at: datetime | None
+    windows: tuple[Window, ...]
+
+    @property
+    def total(self) -> int:
+        """All jobs of the dataset, whatever their state."""
+        return sum(self.states.values())
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """One server's recent windows and failed attempts by class (over the longest window)."""
+
+    name: str
+    windows: tuple[Window, ...]
+    errors: dict[str, int]
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """Every figure of one `eaglegen status`, as of ``now`` (Postgres's clock)."""
+
+    now: datetime
+    windows_s: tuple[int, ...]
+    datasets: list[DatasetStatus]
+    servers: list[ServerStatus]
+    # Failed attempts no server is to blame for (a lapsed lease), by class.
+    unattributed_errors: dict[str, int]
+
+
+@dataclass(frozen=True)
 class ExportRun:
     """What an export's manifest says about its run: identity, tokenization, sampling."""
 

@@ -26,6 +26,7 @@ from models.records import (
 )
 from models.schema import Dataset, Generation, Job, RejectedRow, Run
 from models.states import JobState
+from models.status import StatusQueries
 
 
 class RunMismatchError(ValueError):
@@ -99,7 +100,7 @@ def _insert_staged(cursor: psycopg.Cursor[Any], dataset_id: int, batch: JobBatch
     return [int(r[0]) for r in cursor.fetchall()]
 
 
-class Repository(JobQueries, BudgetQueries, AuditQueries, ExportQueries):
+class Repository(JobQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQueries):
     """All SQL behind named methods; one instance per process, shared by threads."""
 
     def __init__(self, engine: Engine) -> None:

@@ -140,6 +140,10 @@ class Generation(Base):
     __table_args__ = (Index("ix_generations_created_at", "created_at"),)
 
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    # The job's dataset, copied at recording: `status` sums a dataset's last minutes from
+    # the time index alone, with no join to jobs. No foreign key: the job's already removes
+    # the row with its dataset, and the copy never changes.
+    dataset_id: Mapped[int] = mapped_column(BigInteger)
     output_ids: Mapped[list[int]] = mapped_column(TokenArray)
     finish_type: Mapped[str] = mapped_column(String(16))
     finish_matched: Mapped[Any] = mapped_column(JSONB, nullable=True)

@@ -1,11 +1,13 @@
-"""`eaglegen status`: jobs by state per dataset."""
+"""`eaglegen status`: progress, rates and ETA per dataset, server and run."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import time
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.live import Live
 
 from core.names import check_name
 from eaglegen.cli.base import (
@@ -20,34 +22,85 @@ from eaglegen.cli.base import (
     load_settings,
     repository,
 )
+from eaglegen.report.text import inline
 
 app = typer.Typer()
+# A heartbeat older than this is a worker gone (heartbeats are renewed every few seconds).
+BEAT_MAX_AGE_S = 60.0
 
 
 @command(app)
 def status(
     run: Annotated[str | None, typer.Option(help="Only this run")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh the view until Ctrl-C.")] = False,
+    interval: Annotated[
+        float, typer.Option(min=0.5, help="Seconds between refreshes with --watch.")
+    ] = 5.0,
     json_out: JsonFlag = False,
     database_url: DatabaseUrl = None,
     broker_url: BrokerUrl = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Jobs by state per dataset."""
-    from eaglegen.report.status import connections_warning, status_document, status_table
+    """Jobs by state, tokens, budgets, rates and ETA per dataset; servers; the run's ETA."""
+    from eaglegen.report.status import connections_warning, status_document, status_view
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
+    name = None if run is None else check_name("run", run)
     with repository(database(settings)) as repo:
-        counts = repo.counts(None if run is None else check_name("run", run))
+        if watch and not json_out:
+            _watch(lambda: status_view(repo.status(name), _beats(settings.broker_url)), interval)
+            return
+        snapshot = repo.status(name)
         in_use, limit = repo.postgres_connections()
+    beats = _beats(settings.broker_url)
     if json_out:
-        document = status_document(counts)
+        document = status_document(snapshot, beats)
         document["postgres_connections"] = {"in_use": in_use, "max": limit}
         emit_json(document)
     else:
-        Console().print(status_table(counts))
-    warnings = [connections_warning(in_use, limit), broker_warning(settings.broker_url)]
+        Console().print(status_view(snapshot, beats))
+    warnings = [
+        connections_warning(in_use, limit),
+        broker_warning(settings.broker_url),
+        *_unserved(beats),
+    ]
     for warning in filter(None, warnings):
-        err.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        err.print(f"[yellow]warning:[/] {inline(warning)}", highlight=False)
+
+
+def _watch(view: Any, interval: float) -> None:
+    """Redraw ``view()`` every ``interval`` seconds until Ctrl-C (which ends it cleanly)."""
+    try:
+        with Live(view(), auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(view(), refresh=True)
+    except KeyboardInterrupt:
+        return
+
+
+def _beats(broker_url: str | None) -> list[dict[str, Any]] | None:
+    """The live workers' heartbeats; None without a broker or when it does not answer
+    (status reads Postgres first; servers' live state is a bonus)."""
+    import redis
+
+    from worker.commands import alive_workers
+
+    if broker_url is None:
+        return None
+    try:
+        return alive_workers(broker_url, None, BEAT_MAX_AGE_S)
+    except redis.RedisError:
+        return None
+
+
+def _unserved(beats: list[dict[str, Any]] | None) -> list[str]:
+    """Why jobs of a run wait: runs some live worker has no server for, with its reason."""
+    reasons: dict[str, str] = {}
+    for beat in beats or []:
+        for run, reason in (beat.get("unserved_runs") or {}).items():
+            reasons.setdefault(str(run), f"worker {beat.get('worker')}: {reason}")
+    return [f"run {run}: {reason}" for run, reason in sorted(reasons.items())]
 
 
 def broker_warning(broker_url: str | None) -> str | None:

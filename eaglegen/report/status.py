@@ -1,18 +1,31 @@
-"""Jobs by state per dataset, as a table and as one JSON document."""
+"""`eaglegen status`: per dataset, per server and per run, as rich tables and as one JSON
+document. The figures come from eaglegen.report.progress; this module only lays them out."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
-from eaglegen.report.text import shown
-from models.records import DatasetCounts
+from eaglegen.report.progress import (
+    Progress,
+    dataset_progress,
+    eta_at,
+    format_eta,
+    mean_completion,
+    run_progress,
+    server_rows,
+)
+from eaglegen.report.text import shown, visible
+from models.ledger import format_tokens
+from models.records import DatasetCounts, DatasetStatus, StatusSnapshot
 from models.states import JobState
 
 
-def totals(counts: Sequence[DatasetCounts]) -> dict[str, int]:
+def totals(counts: Sequence[DatasetCounts | DatasetStatus]) -> dict[str, int]:
     """Jobs per state over all datasets, plus ``total``."""
     out = {state.value: 0 for state in JobState}
     for dataset in counts:
@@ -22,23 +35,42 @@ def totals(counts: Sequence[DatasetCounts]) -> dict[str, int]:
     return out
 
 
-def status_document(counts: Sequence[DatasetCounts]) -> dict[str, Any]:
-    """The ``eaglegen status --json`` document."""
+def status_document(
+    snapshot: StatusSnapshot, beats: Sequence[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """The ``eaglegen status --json`` document. ``beats``: the live workers' heartbeats,
+    None when Redis was not asked (then servers carry no in-flight or up/down)."""
+    runs = sorted({d.run for d in snapshot.datasets})
+    datasets = []
+    for run in runs:
+        of_run = [d for d in snapshot.datasets if d.run == run]
+        mean = mean_completion(of_run)
+        datasets += [_dataset_doc(d, dataset_progress(d, mean), snapshot) for d in of_run]
+    whole = run_progress(snapshot.datasets)
     return {
-        "datasets": [
-            {
-                "run": c.run,
-                "dataset": c.dataset,
-                "jobs": {**c.states, "total": c.total},
-                "prompt_tokens": c.prompt_tokens,
-                "completion_tokens": c.completion_tokens,
-            }
-            for c in counts
-        ],
-        "jobs": totals(counts),
-        "prompt_tokens": sum(c.prompt_tokens for c in counts),
-        "completion_tokens": sum(c.completion_tokens for c in counts),
+        "now": snapshot.now.isoformat(timespec="seconds"),
+        "windows_s": list(snapshot.windows_s),
+        "datasets": datasets,
+        "runs": [_run_doc(run, snapshot) for run in runs],
+        "servers": server_rows(snapshot.servers, beats or []),
+        "errors_without_server": dict(snapshot.unattributed_errors),
+        "jobs": totals(snapshot.datasets),
+        "prompt_tokens": sum(d.done_prompt_tokens for d in snapshot.datasets),
+        "completion_tokens": sum(d.done_completion_tokens for d in snapshot.datasets),
+        **_progress_doc(whole, snapshot),
     }
+
+
+def status_view(snapshot: StatusSnapshot, beats: Sequence[dict[str, Any]] | None) -> Group:
+    """The terminal view: datasets, servers and a line per run."""
+    document = status_document(snapshot, beats)
+    parts: list[Any] = [_datasets_table(document), _budgets_table(document)]
+    if document["servers"]:
+        parts.append(_servers_table(document, known=beats is not None))
+    parts += [_run_line(run) for run in document["runs"]]
+    if not document["datasets"]:
+        parts.append(Text("no datasets yet: eaglegen enqueue stores a run's jobs"))
+    return Group(*parts)
 
 
 def connections_warning(in_use: int, limit: int) -> str | None:
@@ -52,21 +84,140 @@ def connections_warning(in_use: int, limit: int) -> str | None:
     )
 
 
-def status_table(counts: Sequence[DatasetCounts]) -> Table:
-    """A rich table: one row per dataset, one column per state."""
-    table = Table(title="eaglegen status")
-    table.add_column("run")
-    table.add_column("dataset")
+def _progress_doc(progress: Progress, snapshot: StatusSnapshot) -> dict[str, Any]:
+    return {
+        "rates": {r.label: r.as_dict() for r in progress.rates},
+        "remaining_jobs": progress.remaining_jobs,
+        "remaining_completion_tokens": (
+            None if progress.remaining_tokens is None else round(progress.remaining_tokens)
+        ),
+        "eta_s": None if progress.eta_s is None else round(progress.eta_s, 1),
+        "eta_at": eta_at(snapshot.now, progress.eta_s) if not progress.finished else None,
+        "finished": progress.finished,
+    }
+
+
+def _dataset_doc(d: DatasetStatus, progress: Progress, snapshot: StatusSnapshot) -> dict[str, Any]:
+    return {
+        "run": d.run,
+        "dataset": d.dataset,
+        "jobs": {**d.states, "total": d.total},
+        "prompt_tokens": d.done_prompt_tokens,
+        "completion_tokens": d.done_completion_tokens,
+        "budget": {
+            "tokens": d.budget_tokens,
+            "basis": d.budget_basis,
+            "used": d.used_tokens,
+            "reserved": d.reserved_tokens,
+            "left": progress.budget_left,
+        },
+        **_progress_doc(progress, snapshot),
+    }
+
+
+def _run_doc(run: str, snapshot: StatusSnapshot) -> dict[str, Any]:
+    of_run = [d for d in snapshot.datasets if d.run == run]
+    return {
+        "run": run,
+        "jobs": totals(of_run),
+        "prompt_tokens": sum(d.done_prompt_tokens for d in of_run),
+        "completion_tokens": sum(d.done_completion_tokens for d in of_run),
+        **_progress_doc(run_progress(of_run), snapshot),
+    }
+
+
+def _rate(doc: dict[str, Any], label: str, key: str = "completion_tok_s") -> str:
+    rate = doc["rates"].get(label)
+    return "-" if rate is None else f"{rate[key]:,.1f}"
+
+
+def _eta(doc: dict[str, Any]) -> str:
+    return format_eta(doc["eta_s"], doc["finished"])
+
+
+def _datasets_table(document: dict[str, Any]) -> Table:
+    table = Table(title="eaglegen status: jobs", title_justify="left")
+    for name in ("run", "dataset"):
+        table.add_column(name)
     for state in JobState:
         table.add_column(state.value, justify="right")
-    table.add_column("total", justify="right")
-    table.add_column("completion tok", justify="right")
-    for c in counts:
+    for name in ("total", "done tok", "tok/s 1m", "tok/s 10m", "tok/s run", "done/min 10m"):
+        table.add_column(name, justify="right")
+    table.add_column("ETA", justify="right")
+    for d in document["datasets"]:
         table.add_row(
-            shown(c.run),
-            shown(c.dataset),
-            *(f"{c.states[s.value]:,}" for s in JobState),
-            f"{c.total:,}",
-            f"{c.completion_tokens:,}",
+            shown(d["run"]),
+            shown(d["dataset"]),
+            *(f"{d['jobs'][s.value]:,}" for s in JobState),
+            f"{d['jobs']['total']:,}",
+            f"{d['completion_tokens']:,}",
+            _rate(d, "1m"),
+            _rate(d, "10m"),
+            _rate(d, "run"),
+            _rate(d, "10m", "completions_per_min"),
+            _eta(d),
         )
     return table
+
+
+def _budgets_table(document: dict[str, Any]) -> Table:
+    table = Table(title="budgets (tokens)", title_justify="left")
+    for name in ("run", "dataset", "basis", "budget", "used", "reserved", "left", "prompt tok"):
+        table.add_column(name, justify="left" if name in ("run", "dataset", "basis") else "right")
+    for d in document["datasets"]:
+        b = d["budget"]
+        table.add_row(
+            shown(d["run"]),
+            shown(d["dataset"]),
+            b["basis"],
+            format_tokens(b["tokens"]),
+            f"{b['used']:,}",
+            f"{b['reserved']:,}",
+            "-" if b["left"] is None else f"{max(b['left'], 0):,}",
+            f"{d['prompt_tokens']:,}",
+        )
+    return table
+
+
+def _servers_table(document: dict[str, Any], *, known: bool) -> Table:
+    table = Table(title="servers", title_justify="left")
+    for name in ("server", "state", "in flight", "tok/s 1m", "done/min 1m", "errors 10m"):
+        table.add_column(
+            name, justify="left" if name in ("server", "state", "errors 10m") else "right"
+        )
+    for s in document["servers"]:
+        if not known:
+            state = "?"
+        elif s["up"] is None:
+            state = "no worker"
+        else:
+            state = "up" if s["up"] else "[red]down[/]"
+        flight = "-" if s["in_flight"] is None else f"{s['in_flight']}/{s['limit']}"
+        errors = ", ".join(f"{kind} {n}" for kind, n in sorted(s["errors"].items())) or "-"
+        # a state is markup of ours; every other cell is a user or server string
+        table.add_row(
+            shown(s["name"]),
+            state,
+            flight,
+            f"{s['completion_tok_s_1m']:,.1f}",
+            f"{s['completions_per_min_1m']:,.1f}",
+            shown(errors),
+        )
+    return table
+
+
+def _run_line(run: dict[str, Any]) -> Text:
+    jobs = run["jobs"]
+    line = Text()
+    line.append(f"run {visible(run['run'])}: ", style="bold")
+    line.append(
+        f"{jobs['done']:,} of {jobs['total']:,} jobs done, {jobs['failed']:,} failed, "
+        f"{jobs['skipped_budget']:,} skipped; {_rate(run, '10m')} tok/s over 10 min; "
+    )
+    if run["finished"]:
+        line.append("finished", style="green")
+    elif run["eta_s"] is None:
+        line.append("ETA unknown (no completion in the last 10 minutes)", style="yellow")
+    else:
+        line.append(f"ETA {_eta(run)} ({run['eta_at']})")
+    return line

@@ -142,6 +142,10 @@ def test_0007_counts_the_jobs_a_dataset_already_has(database_url: str) -> None:
             ),
             {"d": dataset},
         ).one()
+        copied = conn.scalar(
+            text("SELECT count(*) FROM generations WHERE dataset_id = :d"), {"d": dataset}
+        )
     assert tuple(counters) == (2, 1, 2, 1, 1, 6, (5 + 3) + (5 + 4), True)
+    assert copied == 2
     assert InspectRepository(engine).audit(lease_grace_s=1e9) == []
     engine.dispose()

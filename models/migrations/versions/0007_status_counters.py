@@ -1,5 +1,5 @@
-"""Counters for status: jobs by state and done tokens per dataset, a time index on
-generations, and failed attempts by server and class
+"""Counters for status: jobs by state and done tokens per dataset, generations' dataset
+and time index, and failed attempts by server and class
 
 Revision ID: 0007
 Revises: 0006
@@ -31,7 +31,7 @@ COUNTERS = (
     "done_completion_tokens",
 )
 
-_FILL = """
+FILL_COUNTERS = """
 UPDATE datasets d SET
     jobs_queued = c.queued, jobs_running = c.running, jobs_done = c.done,
     jobs_failed = c.failed, jobs_skipped = c.skipped,
@@ -62,7 +62,12 @@ def upgrade() -> None:
         )
     for name in ("first_done_at", "last_done_at"):
         op.add_column("datasets", sa.Column(name, sa.DateTime(timezone=True), nullable=True))
-    op.execute(_FILL)
+    op.execute(FILL_COUNTERS)
+    op.add_column("generations", sa.Column("dataset_id", sa.BigInteger(), nullable=True))
+    op.execute(
+        "UPDATE generations g SET dataset_id = j.dataset_id FROM jobs j WHERE j.id = g.job_id"
+    )
+    op.alter_column("generations", "dataset_id", nullable=False)
     op.create_index("ix_generations_created_at", "generations", ["created_at"])
     op.create_table(
         "failed_attempts",
@@ -83,5 +88,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("failed_attempts")
     op.drop_index("ix_generations_created_at", "generations")
+    op.drop_column("generations", "dataset_id")
     for name in (*COUNTERS, "first_done_at", "last_done_at"):
         op.drop_column("datasets", name)

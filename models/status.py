@@ -1,0 +1,158 @@
+"""The queries of `eaglegen status`: counters and the last minutes, never a scan of a run.
+
+Jobs by state and done tokens come from the dataset rows (models.counters); rates come from
+the generations and failed attempts of the last minutes (WINDOWS_S), read through their
+time indexes. So a status costs the same on a run of a million jobs as on a thousand.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Engine, Select, func, select
+
+from models.records import DatasetStatus, ServerStatus, StatusSnapshot, Window
+from models.schema import Dataset, FailedAttempt, Generation, Run
+from models.states import JobState
+
+# The windows rates are measured over, in seconds, shortest first; the longest bounds
+# every scan.
+WINDOWS_S = (60, 600)
+_STATE_COLUMNS = {
+    JobState.QUEUED: Dataset.jobs_queued,
+    JobState.RUNNING: Dataset.jobs_running,
+    JobState.DONE: Dataset.jobs_done,
+    JobState.FAILED: Dataset.jobs_failed,
+    JobState.SKIPPED_BUDGET: Dataset.jobs_skipped,
+}
+
+
+class StatusQueries:
+    """Mixin of the Repository: one consistent snapshot of the datasets and servers."""
+
+    engine: Engine
+
+    def status(self, run: str | None = None) -> StatusSnapshot:
+        """Every dataset (of ``run``, or of all runs) and server, as of one instant."""
+        with self.engine.begin() as conn:  # one transaction: one now() for every figure
+            now = conn.execute(select(func.now())).scalar_one()
+            datasets = conn.execute(_datasets(run)).all()
+            recent = conn.execute(_recent_generations()).all()
+            errors = conn.execute(_recent_errors()).all()
+        ours = {int(d.id) for d in datasets}
+        recent = [r for r in recent if r.dataset_id in ours]
+        errors = [e for e in errors if e.dataset_id in ours]
+        return StatusSnapshot(
+            now=now,
+            windows_s=WINDOWS_S,
+            datasets=[_dataset(d, [r for r in recent if r.dataset_id == d.id]) for d in datasets],
+            servers=_servers(recent, errors),
+            unattributed_errors=dict(
+                Counter({e.kind: int(e.n) for e in errors if e.server is None})
+            ),
+        )
+
+
+def _datasets(run: str | None) -> Select[*tuple[Any, ...]]:
+    stmt = select(
+        Dataset.id,
+        Dataset.name,
+        Run.name.label("run"),
+        *(column.label(state.value) for state, column in _STATE_COLUMNS.items()),
+        Dataset.done_prompt_tokens,
+        Dataset.done_completion_tokens,
+        Dataset.budget_tokens,
+        Dataset.budget_basis,
+        Dataset.used_tokens,
+        Dataset.reserved_tokens,
+        Dataset.first_done_at,
+        Dataset.last_done_at,
+    ).join(Run, Run.id == Dataset.run_id)
+    stmt = stmt.order_by(Run.name, Dataset.name)
+    return stmt if run is None else stmt.where(Run.name == run)
+
+
+def _since(seconds: int) -> Any:
+    return func.now() - timedelta(seconds=seconds)
+
+
+def _recent_generations() -> Select[*tuple[Any, ...]]:
+    """Per dataset and server, completions and tokens within each window."""
+    columns = []
+    for seconds in WINDOWS_S:
+        within = Generation.created_at > _since(seconds)
+        columns += [
+            func.count().filter(within).label(f"n_{seconds}"),
+            func.coalesce(func.sum(Generation.completion_tokens).filter(within), 0).label(
+                f"completion_{seconds}"
+            ),
+            func.coalesce(func.sum(Generation.prompt_tokens).filter(within), 0).label(
+                f"prompt_{seconds}"
+            ),
+        ]
+    return (
+        select(Generation.dataset_id, Generation.server, *columns)
+        .where(Generation.created_at > _since(max(WINDOWS_S)))
+        .group_by(Generation.dataset_id, Generation.server)
+    )
+
+
+def _recent_errors() -> Select[*tuple[Any, ...]]:
+    """Failed attempts per dataset, server and class within the longest window."""
+    return (
+        select(
+            FailedAttempt.dataset_id,
+            FailedAttempt.server,
+            FailedAttempt.kind,
+            func.count().label("n"),
+        )
+        .where(FailedAttempt.at > _since(max(WINDOWS_S)))
+        .group_by(FailedAttempt.dataset_id, FailedAttempt.server, FailedAttempt.kind)
+    )
+
+
+def _windows(rows: Sequence[Any]) -> tuple[Window, ...]:
+    """The rows' sums, one Window per length in WINDOWS_S."""
+    return tuple(
+        Window(
+            seconds=s,
+            completions=sum(int(getattr(r, f"n_{s}")) for r in rows),
+            completion_tokens=sum(int(getattr(r, f"completion_{s}")) for r in rows),
+            prompt_tokens=sum(int(getattr(r, f"prompt_{s}")) for r in rows),
+        )
+        for s in WINDOWS_S
+    )
+
+
+def _dataset(row: Any, recent: Sequence[Any]) -> DatasetStatus:
+    return DatasetStatus(
+        run=row.run,
+        dataset=row.name,
+        states={state.value: int(getattr(row, state.value)) for state in JobState},
+        done_prompt_tokens=int(row.done_prompt_tokens),
+        done_completion_tokens=int(row.done_completion_tokens),
+        budget_tokens=None if row.budget_tokens is None else int(row.budget_tokens),
+        budget_basis=str(row.budget_basis),
+        used_tokens=int(row.used_tokens),
+        reserved_tokens=int(row.reserved_tokens),
+        first_done_at=row.first_done_at,
+        last_done_at=row.last_done_at,
+        windows=_windows(recent),
+    )
+
+
+def _servers(recent: Sequence[Any], errors: Sequence[Any]) -> list[ServerStatus]:
+    by_server: dict[str, list[Any]] = defaultdict(list)
+    for row in recent:
+        by_server[row.server].append(row)
+    failures: dict[str, Counter[str]] = defaultdict(Counter)
+    for error in errors:
+        if error.server is not None:
+            failures[error.server][error.kind] += int(error.n)
+    return [
+        ServerStatus(name=name, windows=_windows(by_server[name]), errors=dict(failures[name]))
+        for name in sorted(by_server.keys() | failures.keys())
+    ]

@@ -1,0 +1,138 @@
+"""`eaglegen status --json` against a real run: every figure recomputed from the rows."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import text
+
+from core.settings import Settings
+from models.records import DatasetSpec, NewJob, RunSpec
+from models.repository import Repository
+from models.states import JobState
+from producer.commands import run_enqueue
+from producer.plan import DatasetPlan, RunPlan
+from tests.e2e.test_cli import eaglegen
+from tests.helpers import InspectRepository, sample_rows, wait_settled, write_jsonl
+from tests.integration.test_pipeline import worker
+
+
+def status_json(settings: Settings, *args: str) -> dict[str, Any]:
+    services = settings.services()
+    env = {
+        "EAGLEGEN_DATABASE_URL": services.database_url,
+        "EAGLEGEN_BROKER_URL": services.broker_url,
+    }
+    done = eaglegen("status", "--json", *args, env=env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def rows_by_dataset(repo: Repository) -> dict[str, list[dict[str, Any]]]:
+    """Every job of every dataset with its generation's figures, straight from the tables."""
+    with repo.engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT d.name AS dataset, j.state, g.prompt_tokens, g.completion_tokens,"
+                " g.server, g.created_at FROM jobs j JOIN datasets d ON d.id = j.dataset_id"
+                " LEFT JOIN generations g ON g.job_id = j.id"
+            )
+        ).all()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault(row.dataset, []).append(dict(row._mapping))
+    return out
+
+
+def within(rows: list[dict[str, Any]], now: datetime, seconds: int) -> list[dict[str, Any]]:
+    return [
+        r for r in rows if r["created_at"] and r["created_at"] > now - timedelta(seconds=seconds)
+    ]
+
+
+def test_status_figures_are_those_of_the_rows(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    # Two datasets side by side, one capped by a budget it reaches (its rest is skipped).
+    rows = sample_rows(60)
+    plan = RunPlan(
+        run="run",
+        tokenizer=Path(__file__).parents[2] / "eaglegen/assets/tokenizer",
+        datasets=[
+            DatasetPlan("open", write_jsonl(tmp_path / "a.jsonl", rows[:30]),
+                        sampling={"max_new_tokens": 64}),
+            DatasetPlan("capped", write_jsonl(tmp_path / "b.jsonl", rows[30:]),
+                        sampling={"max_new_tokens": 64}, budget_tokens=300),
+        ],
+    )  # fmt: skip
+    with worker(settings):
+        run_enqueue(settings, settings.services(), plan, quiet=True)
+        wait_settled(repo)
+    document = status_json(settings, "--run", "run")
+    now = datetime.fromisoformat(document["now"])
+    truth = rows_by_dataset(repo)
+    assert {d["dataset"] for d in document["datasets"]} == {"open", "capped"}
+    for d in document["datasets"]:
+        jobs = truth[d["dataset"]]
+        done = [r for r in jobs if r["state"] == JobState.DONE.value]
+        assert d["jobs"] == {
+            **{s.value: sum(r["state"] == s.value for r in jobs) for s in JobState},
+            "total": len(jobs),
+        }
+        assert d["prompt_tokens"] == sum(r["prompt_tokens"] for r in done)
+        assert d["completion_tokens"] == sum(r["completion_tokens"] for r in done)
+        for label, seconds in (("1m", 60), ("10m", 600)):
+            recent = within(done, now, seconds)
+            rate = d["rates"][label]
+            assert rate["completion_tok_s"] == round(
+                sum(r["completion_tokens"] for r in recent) / seconds, 3
+            )
+            assert rate["completions_per_min"] == round(len(recent) * 60 / seconds, 3)
+        assert d["remaining_jobs"] == 0 and d["eta_s"] == 0
+    capped = next(d for d in document["datasets"] if d["dataset"] == "capped")
+    assert capped["jobs"]["skipped_budget"] > 0 and capped["finished"] == "budget reached"
+    assert capped["budget"]["used"] == capped["completion_tokens"]
+    assert capped["budget"]["left"] == 300 - capped["completion_tokens"]
+    opened = next(d for d in document["datasets"] if d["dataset"] == "open")
+    assert opened["finished"] == "all jobs done" and opened["budget"]["left"] is None
+    # Per server: what the generations of the last minute say.
+    every = [r for jobs in truth.values() for r in jobs if r["state"] == "done"]
+    for server in document["servers"]:
+        recent = [r for r in within(every, now, 60) if r["server"] == server["name"]]
+        assert server["completion_tok_s_1m"] == sum(r["completion_tokens"] for r in recent) / 60
+    assert {s["name"] for s in document["servers"]} == {r["server"] for r in every}
+    [run] = document["runs"]
+    assert run["finished"] == "every dataset finished"
+    assert run["jobs"]["total"] == 60 == document["jobs"]["total"]
+    assert InspectRepository(repo.engine).audit(lease_grace_s=60) == []
+
+
+def test_failed_attempts_show_by_server_and_class(settings: Settings, repo: Repository) -> None:
+    run_id = repo.ensure_run(RunSpec("r", "tok", "a", "b", "m"))
+    dataset = repo.ensure_dataset(run_id, DatasetSpec("d", "s", {"max_new_tokens": 8}))
+    ids = repo.insert_jobs(dataset, [NewJob(i, [1, 2, i + 3], {}) for i in range(4)])
+    for job_id, kind in zip(ids[:3], ("timeout", "timeout", "http_5xx"), strict=True):
+        assert repo.claim(job_id, "w", 60).outcome == "claimed"
+        assert repo.release(job_id, "w", "boom", server="gpu-a", kind=kind)
+    assert repo.claim(ids[3], "w", 60).outcome == "claimed"
+    assert repo.fail(ids[3], "w", "bad", server="gpu-b", kind="invalid_response")
+    # A lapsed lease blames no server.
+    assert repo.claim(ids[0], "w", 60).outcome == "claimed"
+    with repo.engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET lease_until = now() - interval '1 s' WHERE id = :i"),
+                     {"i": ids[0]})  # fmt: skip
+    assert repo.expire_leases(max_attempts=5) == [ids[0]]
+    # A shutdown's release is no failure of the attempt.
+    assert repo.claim(ids[1], "w", 60).outcome == "claimed"
+    assert repo.release(ids[1], "w", "worker stopping", refund=True)
+    document = status_json(settings)
+    servers = {s["name"]: s["errors"] for s in document["servers"]}
+    assert servers == {"gpu-a": {"timeout": 2, "http_5xx": 1}, "gpu-b": {"invalid_response": 1}}
+    assert document["errors_without_server"] == {"lease_expired": 1}
+    [d] = document["datasets"]
+    assert d["jobs"]["queued"] == 3 and d["jobs"]["failed"] == 1
+    assert d["eta_s"] is None and d["finished"] is None  # nothing done lately: unknown
+    assert InspectRepository(repo.engine).audit(lease_grace_s=60) == []

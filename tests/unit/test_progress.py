@@ -1,0 +1,123 @@
+"""Rates and ETAs of `eaglegen status`, from hand-made snapshots."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from eaglegen.report.progress import (
+    dataset_progress,
+    format_eta,
+    run_progress,
+    server_rows,
+    whole_run_rate,
+    window_rate,
+)
+from models.records import DatasetStatus, ServerStatus, Window
+
+T0 = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def dataset(
+    *,
+    queued: int = 0,
+    running: int = 0,
+    done: int = 0,
+    completion: int = 0,
+    prompt: int = 0,
+    budget: int | None = None,
+    used: int = 0,
+    basis: str = "completion",
+    recent: tuple[int, int, int] = (0, 0, 0),  # completions, completion, prompt in 10 min
+    name: str = "d",
+) -> DatasetStatus:
+    n, c, p = recent
+    return DatasetStatus(
+        run="r",
+        dataset=name,
+        states={"queued": queued, "running": running, "done": done, "failed": 0,
+                "skipped_budget": 0},
+        done_prompt_tokens=prompt,
+        done_completion_tokens=completion,
+        budget_tokens=budget,
+        budget_basis=basis,
+        used_tokens=used,
+        reserved_tokens=0,
+        first_done_at=T0 if done else None,
+        last_done_at=T0 + timedelta(hours=1) if done > 1 else (T0 if done else None),
+        windows=(Window(60, n // 10, c // 10, p // 10), Window(600, n, c, p)),
+    )  # fmt: skip
+
+
+def test_a_window_rate_is_its_sums_over_its_length() -> None:
+    rate = window_rate(Window(600, completions=30, completion_tokens=60_000, prompt_tokens=6_000))
+    assert (rate.label, rate.completion_tok_s, rate.completions_per_min) == ("10m", 100.0, 3.0)
+
+
+def test_the_whole_run_rate_spans_first_to_last_generation() -> None:
+    rate = whole_run_rate(dataset(done=3600, completion=3_600_000))
+    assert rate is not None and rate.completion_tok_s == 1000.0 and rate.completions_per_min == 60
+    assert whole_run_rate(dataset(done=1, completion=10)) is None  # one instant: no span
+
+
+def test_eta_is_jobs_left_over_the_completion_rate() -> None:
+    # 26 completions a minute (the real run's), 89,000 jobs left: about 57 hours.
+    d = dataset(queued=88_950, running=50, done=1000, completion=3_500_000, recent=(260, 0, 0))
+    progress = dataset_progress(d)
+    assert progress.eta_s == pytest.approx(89_000 / (26 / 60))
+    assert format_eta(progress.eta_s) == "2d 9h"
+
+
+def test_eta_is_the_budget_when_it_comes_first() -> None:
+    # 1,000 tok/s against 100k tokens left: 100 s, long before the 10,000 jobs are done.
+    d = dataset(queued=10_000, done=10, completion=9_900_000, budget=10_000_000,
+                used=9_900_000, recent=(100, 600_000, 0))  # fmt: skip
+    assert dataset_progress(d).eta_s == pytest.approx(100.0)
+
+
+def test_a_total_budget_is_spent_by_prompts_too() -> None:
+    d = dataset(queued=10_000, done=10, completion=5, budget=200_000, used=100_000,
+                basis="total", recent=(100, 300_000, 300_000))  # fmt: skip
+    assert dataset_progress(d).eta_s == pytest.approx(100_000 / 1000.0)
+
+
+def test_finished_datasets_and_stalled_ones() -> None:
+    assert dataset_progress(dataset(done=5, completion=50)).finished == "all jobs done"
+    spent = dataset_progress(dataset(queued=9, done=5, budget=50, used=50))
+    assert (spent.finished, spent.eta_s, format_eta(spent.eta_s, spent.finished)) == (
+        "budget reached", 0.0, "done")  # fmt: skip
+    stalled = dataset_progress(dataset(queued=9, done=5, completion=50))
+    assert (stalled.finished, stalled.eta_s, format_eta(stalled.eta_s)) == (None, None, "?")
+
+
+def test_the_run_eta_is_all_tokens_left_over_the_whole_rate() -> None:
+    # a: 100 jobs of 1,000 tokens left; b: not started, takes the run's mean (1,000), capped
+    # by its budget of 20,000 tokens. 1,000 tok/s in all: (100,000 + 20,000) / 1,000.
+    a = dataset(name="a", queued=100, done=10, completion=10_000, recent=(60, 600_000, 0))
+    b = dataset(name="b", queued=500, budget=20_000)
+    progress = run_progress([a, b])
+    assert progress.remaining_tokens == pytest.approx(120_000)
+    assert progress.eta_s == pytest.approx(120.0)
+    assert progress.remaining_jobs == 600 and progress.finished is None
+
+
+def test_servers_merge_heartbeats_and_recent_figures() -> None:
+    beats = [
+        {"servers": {"gpu-a": {"healthy": True, "held": 3, "limit": 64}}},
+        {"servers": {"gpu-a": {"healthy": False, "held": 2, "limit": 64},
+                     "gpu-b": {"healthy": False, "held": 0, "limit": 32}}},
+    ]  # fmt: skip
+    recent = [ServerStatus("gpu-a", (Window(60, 6, 6000, 0),), {"timeout": 2}),
+              ServerStatus("gpu-c", (Window(60, 0, 0, 0),), {"connection": 1})]  # fmt: skip
+    rows = {r["name"]: r for r in server_rows(recent, beats)}
+    assert rows["gpu-a"]["in_flight"] == 5 and rows["gpu-a"]["up"] is True
+    assert rows["gpu-a"]["completion_tok_s_1m"] == 100.0 and rows["gpu-a"]["errors"] == {
+        "timeout": 2}  # fmt: skip
+    assert rows["gpu-b"]["up"] is False and rows["gpu-b"]["limit"] == 32
+    assert rows["gpu-c"]["up"] is None  # no live worker reports it
+
+
+def test_eta_formats() -> None:
+    assert [format_eta(s) for s in (45, 125, 3 * 3600 + 720, 90_000)] == [
+        "45s", "2m 05s", "3h 12m", "1d 1h"]  # fmt: skip
