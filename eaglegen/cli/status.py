@@ -1,7 +1,10 @@
-"""`eaglegen status`: progress, rates and ETA per dataset, server and run."""
+"""`eaglegen status`: progress, rates and ETA per dataset, server and run; `eaglegen
+exporter`: the same figures for Prometheus."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from typing import Annotated, Any
 
@@ -66,6 +69,39 @@ def status(
     ]
     for warning in filter(None, warnings):
         err.print(f"[yellow]warning:[/] {inline(warning)}", highlight=False)
+
+
+@command(app)
+def exporter(
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to serve /metrics on")] = 9464,
+    host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
+    run: Annotated[str | None, typer.Option(help="Only this run")] = None,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Serve the figures of `status` on /metrics for Prometheus until Ctrl-C or SIGTERM (one
+    exporter per cluster: it reads Postgres, the same for every worker)."""
+    from prometheus_client import start_http_server
+    from prometheus_client.core import CollectorRegistry
+
+    from eaglegen.report.prometheus import StatusCollector
+
+    settings = load_settings(database_url=database_url, data_dir=data_dir)
+    name = None if run is None else check_name("run", run)
+    with repository(database(settings)) as repo:
+        registry = CollectorRegistry()
+        registry.register(StatusCollector(lambda: repo.status(name)))
+        server, thread = start_http_server(port, addr=host, registry=registry)
+        err.print(f"serving eaglegen metrics on http://{inline(host)}:{port}/metrics")
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.shutdown()
+            thread.join(timeout=5)
 
 
 def _watch(view: Any, interval: float) -> None:

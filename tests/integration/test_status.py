@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
 from core.settings import Settings
@@ -16,7 +24,13 @@ from models.states import JobState
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan
 from tests.e2e.test_cli import eaglegen
-from tests.helpers import InspectRepository, sample_rows, wait_settled, write_jsonl
+from tests.helpers import (
+    InspectRepository,
+    enqueue_file,
+    sample_rows,
+    wait_settled,
+    write_jsonl,
+)
 from tests.integration.test_pipeline import worker
 
 
@@ -136,3 +150,62 @@ def test_failed_attempts_show_by_server_and_class(settings: Settings, repo: Repo
     assert d["jobs"]["queued"] == 3 and d["jobs"]["failed"] == 1
     assert d["eta_s"] is None and d["finished"] is None  # nothing done lately: unknown
     assert InspectRepository(repo.engine).audit(lease_grace_s=60) == []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str, timeout_s: float = 30.0) -> Samples:
+    """Every sample of the exporter's /metrics, by name and labels (waits for it to serve)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            body = httpx.get(url, timeout=5).text
+            break
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+    }
+
+
+def test_the_exporter_serves_the_status_figures(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    with worker(settings):
+        enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(20)), dataset="chat")
+        wait_settled(repo)
+    truth = rows_by_dataset(repo)["chat"]
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
+    env["EAGLEGEN_DATABASE_URL"] = settings.services().database_url
+    process = subprocess.Popen(
+        [sys.executable, "-m", "eaglegen", "exporter", "--port", str(port)],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        samples = scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    key = (("dataset", "chat"), ("run", "run"))
+    done = [r for r in truth if r["state"] == "done"]
+    assert samples[("eaglegen_dataset_jobs", (*key, ("state", "done")))] == len(done)
+    assert samples[("eaglegen_dataset_completion_tokens_total", key)] == sum(
+        r["completion_tokens"] for r in done
+    )
+    assert samples[("eaglegen_dataset_prompt_tokens_total", key)] == sum(
+        r["prompt_tokens"] for r in done
+    )
+    assert samples[("eaglegen_dataset_eta_seconds", key)] == 0  # all done
+    assert process.returncode == 0, stderr
