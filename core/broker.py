@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -26,14 +26,18 @@ class Publisher:
         self._envelope = wire.EnvelopeFactory(queue, f"{socket.gethostname()}:{os.getpid()}")
         self._client = redis.Redis.from_url(broker_url)
 
-    def publish(self, job_ids: Sequence[int]) -> int:
+    def publish(self, job_ids: Sequence[int], tags: str | Mapping[int, str] = "") -> int:
         """Publish one message per id, in order (workers pop the oldest first), in
-        commands of at most PUSH_BYTES each."""
+        commands of at most PUSH_BYTES each.
+
+        ``tags``: what Flower shows after each job id (``wire.tag``), one for all or per id.
+        """
         published = 0
         batch: list[bytes] = []
         size = 0
         for job_id in job_ids:
-            message = self._envelope(job_id).encode()
+            job_tag = tags if isinstance(tags, str) else tags.get(job_id, "")
+            message = self._envelope(job_id, job_tag).encode()
             if batch and size + len(message) > PUSH_BYTES:
                 published += self._push(batch)
                 batch, size = [], 0
@@ -42,11 +46,17 @@ class Publisher:
         return published + self._push(batch)
 
     def publish_later(
-        self, job_id: int, *, countdown: float, retries: int, task_id: str | None = None
+        self,
+        job_id: int,
+        *,
+        countdown: float,
+        retries: int,
+        task_id: str | None = None,
+        job_tag: str = "",
     ) -> None:
         """Send a job back after an attempt, to run in ``countdown`` seconds."""
         message = self._envelope.later(
-            job_id, countdown=countdown, retries=retries, task_id=task_id
+            job_id, countdown=countdown, retries=retries, task_id=task_id, job_tag=job_tag
         )
         self._push([message.encode()])
 

@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     retry_base_s: float = Field(default=1.0, ge=0)
     retry_cap_s: float = Field(default=60.0, ge=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # A worker serves its Prometheus metrics on this port (plus its NUMA node's id when
+    # pinned, so that the processes of one host differ); None: not served.
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
     # A JSON Lines row longer than this is rejected as too_long without being read whole.
     max_row_bytes: int = Field(default=8 << 20, ge=1024)
 

@@ -8,6 +8,11 @@ Every path that publishes (the producer, retries and deferrals, the release at s
 the reconciler, a raised budget) goes through ``envelope``/``EnvelopeFactory``, and every
 path that reads the queue list back goes through ``job_id_of``. Tests pin both directions
 to Celery's own ``send_task`` and kombu's own decoding.
+
+The ``argsrepr`` header is what Celery logs and Flower shows as the task's arguments
+(Celery's ``send_task(argsrepr=...)`` sets it the same way): here a label, ``job 123 ·
+dataset chat · run r1``, instead of the ``()`` of a call by keyword. Only people read it;
+the body alone carries the job id.
 """
 
 from __future__ import annotations
@@ -24,6 +29,26 @@ from typing import Any
 TASK_GENERATE = "eaglegen.generate"
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 _EMBED_JSON = json.dumps(_EMBED).encode()
+_SEP = " · "
+
+
+def tag(dataset: str | None, run: str | None = None) -> str:
+    """What follows the job id in a message's label: `` · dataset chat · run r1``."""
+    parts = ([f"dataset {dataset}"] if dataset else []) + ([f"run {run}"] if run else [])
+    return "".join(_SEP + part for part in parts)
+
+
+def label(job_id: int, job_tag: str = "") -> str:
+    """A message's ``argsrepr``: ``job 123`` and its tag."""
+    return f"job {int(job_id)}{job_tag}"
+
+
+def tag_of(job_id: int, argsrepr: object) -> str:
+    """The tag inside a label of ``job_id`` as built by ``label``, else ``""``."""
+    head = label(job_id)
+    if isinstance(argsrepr, str) and argsrepr.startswith(head + _SEP):
+        return argsrepr[len(head) :]
+    return ""
 
 
 def body(job_id: int) -> bytes:
@@ -40,12 +65,13 @@ def envelope(
     delivery_tag: str,
     countdown: float | None = None,
     retries: int = 0,
+    job_tag: str = "",
 ) -> dict[str, Any]:
     """The envelope of ``generate(job_id)`` as a dict: the readable definition of the format.
 
     ``countdown``: the worker holds the message that long before running it (Celery's
     ``eta``; none for 0, as Celery does); ``retries``: how many times this job was sent back
-    (the task's ``request.retries``).
+    (the task's ``request.retries``); ``job_tag``: the dataset part of its label (``tag``).
     """
     job_id = int(job_id)
     eta = None
@@ -68,7 +94,7 @@ def envelope(
             "timelimit": [None, None],
             "root_id": task_id,
             "parent_id": None,
-            "argsrepr": "()",
+            "argsrepr": label(job_id, job_tag),
             "kwargsrepr": f"{{'job_id': {job_id}}}",
             "origin": origin,
             "ignore_result": None,
@@ -89,7 +115,15 @@ def envelope(
 
 
 # Placeholders in the factory's template, each replaced per message.
-_ID, _KWARGS, _BODY, _TAG = _SLOTS = ("\x01id\x01", "\x01kw\x01", "\x01body\x01", "\x01tag\x01")
+_ID, _KWARGS, _BODY, _TAG, _ARGS = _SLOTS = (
+    "\x01id\x01",
+    "\x01kw\x01",
+    "\x01body\x01",
+    "\x01tag\x01",
+    "\x01args\x01",
+)
+# Distinct tags whose JSON escaping is kept: a producer publishes one per dataset.
+_ESCAPED_TAGS = 256
 
 
 class EnvelopeFactory:
@@ -106,6 +140,7 @@ class EnvelopeFactory:
         proto = envelope(0, queue=queue, origin=origin, task_id=_ID, delivery_tag=_TAG)
         proto["body"] = _BODY
         proto["headers"]["kwargsrepr"] = _KWARGS
+        proto["headers"]["argsrepr"] = _ARGS
         template = json.dumps(proto)
         marks = {json.dumps(slot)[1:-1]: index for index, slot in enumerate(_SLOTS)}
         pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", template)
@@ -117,9 +152,11 @@ class EnvelopeFactory:
         self._id_prefix = str(uuid.uuid4())[:24]
         self._tag_prefix = str(uuid.uuid4())[:24]
         self._serial = itertools.count()
+        self._escaped: dict[str, str] = {}
 
-    def __call__(self, job_id: int) -> str:
-        """The JSON string kombu's Redis transport would LPUSH for ``generate(job_id)``."""
+    def __call__(self, job_id: int, job_tag: str = "") -> str:
+        """The JSON string kombu's Redis transport would LPUSH for ``generate(job_id)``,
+        labelled with ``job_tag`` (see ``tag``)."""
         job_id = int(job_id)  # never anything but digits inside the template
         serial = self._next_serial()
         values = (
@@ -127,6 +164,7 @@ class EnvelopeFactory:
             f"{{'job_id': {job_id}}}",
             base64.b64encode(body(job_id)).decode(),
             self._tag_prefix + serial,
+            f"job {job_id}{self._escape(job_tag)}",
         )
         literals = self._literals
         out = [literals[0]]
@@ -135,8 +173,25 @@ class EnvelopeFactory:
             out.append(literals[i])
         return "".join(out)
 
+    def _escape(self, job_tag: str) -> str:
+        """``job_tag`` as it sits inside a JSON string (names may hold quotes, backslashes)."""
+        if not job_tag:
+            return ""
+        escaped = self._escaped.get(job_tag)
+        if escaped is None:
+            if len(self._escaped) >= _ESCAPED_TAGS:
+                self._escaped.clear()
+            escaped = self._escaped[job_tag] = json.dumps(job_tag)[1:-1]
+        return escaped
+
     def later(
-        self, job_id: int, *, countdown: float, retries: int, task_id: str | None = None
+        self,
+        job_id: int,
+        *,
+        countdown: float,
+        retries: int,
+        task_id: str | None = None,
+        job_tag: str = "",
     ) -> str:
         """A job sent back after an attempt: run after ``countdown`` s, ``retries`` so far.
 
@@ -153,6 +208,7 @@ class EnvelopeFactory:
                 delivery_tag=self._tag_prefix + serial,
                 countdown=countdown,
                 retries=retries,
+                job_tag=job_tag,
             )
         )
 

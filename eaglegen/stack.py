@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import quote
 
 import redis
@@ -25,6 +25,8 @@ import redis
 from core.urls import password_in_userinfo
 
 STACK_FILE = "stack.json"
+# Flower's logins (USER:PASSWORD, several joined by commas) for `eaglegen up` and `flower`.
+FLOWER_AUTH_ENV = "EAGLEGEN_FLOWER_BASIC_AUTH"
 
 
 class MissingExtraError(ImportError):
@@ -191,14 +193,65 @@ def spawn(
     return Child(name, process)
 
 
-def flower_env(broker_url: str) -> dict[str, str]:
-    """Flower's environment: the broker URL goes there, never on its command line."""
-    return {"CELERY_BROKER_URL": password_in_userinfo(broker_url)}
+def flower_env(broker_url: str, basic_auth: str | None = None) -> dict[str, str]:
+    """Flower's environment: the broker URL and the logins go there, never on its command
+    line (which every user of the host can read)."""
+    env = {"CELERY_BROKER_URL": password_in_userinfo(broker_url)}
+    if basic_auth:
+        env["FLOWER_BASIC_AUTH"] = basic_auth  # Flower reads its options from FLOWER_*
+    return env
+
+
+# The tasks page's columns: each task's label (job, dataset, run: its argsrepr) and result
+# (done and its tokens), which Flower's default columns leave to the task's own page.
+FLOWER_TASK_COLUMNS = "uuid,state,args,result,retries,received,runtime,worker"
 
 
 def flower_argv(address: str, port: int) -> list[str]:
     """Flower on ``address:port``; the broker URL comes from CELERY_BROKER_URL, not argv."""
-    return [sys.executable, "-m", "celery", "flower", f"--address={address}", f"--port={port}"]
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "flower",
+        f"--address={address}",
+        f"--port={port}",
+        f"--tasks_columns={FLOWER_TASK_COLUMNS}",
+    ]
+
+
+@dataclass(frozen=True)
+class FlowerLaunch:
+    """How to start Flower for one broker: `eaglegen up`, `demo` and `flower` share it."""
+
+    argv: list[str]
+    env: dict[str, str] = field(repr=False)  # the broker's password, the logins
+    url: str
+
+
+def flower_launch(
+    broker_url: str,
+    address: str = "127.0.0.1",
+    port: int = 5555,
+    basic_auth: str | None = None,
+    *,
+    flag: str = "--flower-basic-auth",
+) -> FlowerLaunch:
+    """Flower on ``address:port`` for ``broker_url``, once its exposure is allowed (see
+    check_flower_exposure; ``flag`` is the option its refusal names)."""
+    check_flower_exposure(address, basic_auth, flag=flag)
+    host = f"[{address}]" if ":" in address else address
+    return FlowerLaunch(
+        flower_argv(address, port), flower_env(broker_url, basic_auth), f"http://{host}:{port}"
+    )
+
+
+def exec_flower(launch: FlowerLaunch) -> NoReturn:
+    """Become Flower (`eaglegen flower`): its signals and exit code are this process's,
+    and the command line that gave a login is replaced by Flower's, which holds none."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(launch.argv[0], launch.argv, {**os.environ, **launch.env})
 
 
 def write_stack_file(data_dir: Path, info: dict[str, Any]) -> None:
@@ -241,20 +294,22 @@ def stop_pid(pid: int, timeout_s: float = 10.0) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def check_flower_exposure(address: str, basic_auth: str | None) -> None:
+def check_flower_exposure(
+    address: str, basic_auth: str | None, *, flag: str = "--flower-basic-auth"
+) -> None:
     """Refuse a malformed Flower login, and Flower beyond loopback without one."""
     if basic_auth is not None:
         for entry in basic_auth.split(","):
             user, sep, password = entry.partition(":")
             if not (sep and user and password):
                 raise ValueError(
-                    "--flower-basic-auth must be USER:PASSWORD (several joined by commas), "
+                    f"{flag} must be USER:PASSWORD (several joined by commas), "
                     "each with a user and a password"
                 )
     if not basic_auth and not is_loopback(address):
         raise ValueError(
             f"Flower on {address} would be reachable from other hosts: pass "
-            "--flower-basic-auth USER:PASSWORD (or bind it to 127.0.0.1)"
+            f"{flag} USER:PASSWORD or set {FLOWER_AUTH_ENV} (or bind it to 127.0.0.1)"
         )
 
 
@@ -281,7 +336,7 @@ def up(
     flower_basic_auth: str | None = None,
 ) -> dict[str, Any]:
     """Start what is not configured (Postgres, Redis) plus Flower; record it for `down`."""
-    check_flower_exposure(flower_address, flower_basic_auth)
+    check_flower_exposure(flower_address, flower_basic_auth)  # before starting anything
     existing = read_stack_file(data_dir) or {}
     if existing.get("flower_pid") and pid_alive(int(existing["flower_pid"])):
         raise ValueError(f"a stack is already up under {data_dir} (run `eaglegen down` first)")
@@ -294,21 +349,13 @@ def up(
         broker_url = redis_server.start()
         assert redis_server.process is not None
         info["redis_pid"] = redis_server.process.pid
-    env = flower_env(broker_url)
-    if flower_basic_auth:
-        env["FLOWER_BASIC_AUTH"] = flower_basic_auth
-    flower = spawn(
-        "flower",
-        flower_argv(flower_address, flower_port),
-        env,
-        data_dir / "logs" / "flower.log",
-        detach=True,
-    )
+    launch = flower_launch(broker_url, flower_address, flower_port, flower_basic_auth)
+    flower = spawn("flower", launch.argv, launch.env, data_dir / "logs" / "flower.log", detach=True)
     info.update(
         database_url=database_url,
         broker_url=broker_url,
         flower_pid=flower.process.pid,
-        flower_url=f"http://{flower_address}:{flower_port}",
+        flower_url=launch.url,
     )
     write_stack_file(data_dir, info)
     return info

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +18,8 @@ from models.states import JobState
 RUNNING = JobState.RUNNING.value
 # The class of a failed attempt a lapsed lease stands for (the worker died or froze).
 LEASE_EXPIRED = "lease_expired"
+# Ids per lookup statement (a reconciler may publish a whole run's jobs after Redis lost them).
+_LOOKUP_BATCH = 10_000
 
 
 class _Rollback(Exception):
@@ -168,6 +171,20 @@ class JobQueries:
                 .values(last_error=reason)
             )
 
+    def job_datasets(self, job_ids: Sequence[int]) -> dict[int, tuple[str, str]]:
+        """(run, dataset) of each job (a job gone is left out)."""
+        found: dict[int, tuple[str, str]] = {}
+        with self.engine.connect() as conn:
+            for start in range(0, len(job_ids), _LOOKUP_BATCH):
+                stmt = (
+                    select(Job.id, Run.name, Dataset.name)
+                    .join(Dataset, Dataset.id == Job.dataset_id)
+                    .join(Run, Run.id == Dataset.run_id)
+                    .where(Job.id.in_(job_ids[start : start + _LOOKUP_BATCH]))
+                )
+                found.update({int(i): (r, d) for i, r, d in conn.execute(stmt)})
+        return found
+
     def queued_job_ids(self, idle_seconds: float) -> list[int]:
         """Queued jobs that have not changed for ``idle_seconds``."""
         stmt = (
@@ -213,7 +230,14 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
     if job is None:
         raise _Rollback("not_queued")
     ds = conn.execute(
-        select(Dataset.sampling_params, Dataset.budget_basis, Run.think_end_id, Run.vocab_size)
+        select(
+            Dataset.sampling_params,
+            Dataset.budget_basis,
+            Dataset.name,
+            Run.name.label("run"),
+            Run.think_end_id,
+            Run.vocab_size,
+        )
         .join(Run, Run.id == Dataset.run_id)
         .where(Dataset.id == job.dataset_id)
     ).one()
@@ -255,6 +279,8 @@ def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Cl
             reserved_tokens=need,
             think_end_id=ds.think_end_id if job.opens_reasoning else None,
             vocab_size=ds.vocab_size,
+            run=ds.run,
+            dataset=ds.name,
         ),
     )
 

@@ -148,6 +148,9 @@ class ClaimedJob:
     think_end_id: int | None = None
     # Output ids must be below it (the run's tokenizer size; None for runs before 0006).
     vocab_size: int | None = None
+    # Its run's and dataset's names, for the messages that send it back.
+    run: str = ""
+    dataset: str = ""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
+from core import wire
 from core.broker import Publisher
 from models.ledger import format_tokens
 from models.records import DatasetSpec, JobBatch, RunSpec
@@ -68,6 +69,8 @@ class DatabaseSink:
     # Until a batch holds prompts the dataset has (a re-run, repeats in the file), jobs are
     # expected new, which the repository inserts the cheap way (see insert_jobs).
     expect_new: bool = True
+    # What Flower shows after each job id (core.wire.tag): its dataset and run.
+    tag: str = ""
 
     def write(self, prepared: Prepared) -> int:
         new_ids = self.repo.insert_jobs(self.dataset_id, prepared.jobs, expect_new=self.expect_new)
@@ -75,7 +78,7 @@ class DatabaseSink:
         self.repo.record_rejections(self.dataset_id, prepared.rejections)
         # Published after the commit: a worker must find the job it is told about. A crash
         # between the two leaves jobs queued but unpublished, which `eaglegen reconcile` finds.
-        self.publisher.publish(new_ids)
+        self.publisher.publish(new_ids, self.tag)
         return len(new_ids)
 
 
@@ -284,7 +287,9 @@ def _sinks(
                 budget_basis=d.budget_basis.value,
             ),
         )
-        sinks[d.name] = DatabaseSink(repo, publisher, dataset_id, repo.budget_of(dataset_id))
+        sinks[d.name] = DatabaseSink(
+            repo, publisher, dataset_id, repo.budget_of(dataset_id), tag=wire.tag(d.name, plan.run)
+        )
     return sinks
 
 

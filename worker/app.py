@@ -4,27 +4,68 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 from celery import Celery, Task
+from celery.exceptions import Ignore, Retry
 from celery.signals import worker_shutdown, worker_shutting_down
 from celery.worker import worker as celery_worker
 
+from core import wire
 from core.broker import eviction_warning
 from core.settings import ServerSpec, Services, Settings
 from core.wire import TASK_GENERATE
+from worker import metrics
 from worker.background import Background
 from worker.celeryconfig import make_celery
 from worker.retry import backoff
-from worker.runner import DATABASE_UNAVAILABLE, Outcome, WorkerContext, run_attempt
+from worker.runner import DATABASE_UNAVAILABLE, Outcome, Result, WorkerContext, run_attempt
 
 log = logging.getLogger(__name__)
 # Outcomes after which this message's job needs another message: after a backoff, or at
 # once so that a worker with a free slot takes it.
 _REQUEUE = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.NO_SLOT})
+# The custom event of a budget-skipped job: Flower shows an unknown ``task-*`` event as a
+# state of that name, here SKIPPED, neither a success nor a failure.
+SKIPPED_EVENT = "task-skipped"
+SKIPPED_RESULT = "skipped_budget"
+
+
+class JobFailed(Exception):
+    """The job ended failed: the task fails with this one line (FAILURE in Flower)."""
+
+
+class SentBack(Retry):  # type: ignore[misc]
+    """The job was sent back to the queue (a retryable error, a budget deferral, no free
+    slot): the task ends as RETRY, as with Celery's own ``Task.retry``, with the reason."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r})"
+
+
+class GenerateTask(Task):  # type: ignore[misc]
+    """The ``generate`` task's class: its planned endings carry no stack trace.
+
+    A failed job (``JobFailed``, expected: Celery logs it in one line at INFO) and a job
+    sent back (``SentBack``) are decisions, not crashes; a trace of this module would only
+    hide the reason in Flower's task page and the log.
+    """
+
+    throws = (JobFailed,)
+
+    def on_retry(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        """Ship the reason as the retry's trace (Celery sends a trace with every retry)."""
+        einfo.traceback = str(getattr(einfo.exception, "exc", exc))
+
+    def on_failure(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        """No trace for a job that failed by decision; an unforeseen error keeps its own."""
+        if isinstance(exc, JobFailed):
+            einfo.traceback = None
 
 
 class ContextHolder:
@@ -62,38 +103,68 @@ def create_worker_app(
     app = make_celery(settings, services.broker_url)
     holder = ContextHolder(settings, services, settings.servers if servers is None else servers)
 
-    @app.task(name=TASK_GENERATE, bind=True, max_retries=None, acks_late=True, shared=False)  # type: ignore[untyped-decorator]
+    @app.task(  # type: ignore[untyped-decorator]
+        name=TASK_GENERATE,
+        base=GenerateTask,
+        bind=True,
+        max_retries=None,
+        acks_late=True,
+        shared=False,
+    )
     def generate(self: Task, job_id: int) -> str:
         ctx = holder.get()
+        job_id = int(job_id)
         try:
-            result = run_attempt(ctx, int(job_id))
+            result = run_attempt(ctx, job_id)
         except DATABASE_UNAVAILABLE as exc:
             # Postgres unreachable (restart, failover) or the pool exhausted: keep this job's
             # message instead of acking it away with a failure, and ask again after a backoff.
-            reason = getattr(exc, "orig", None) or exc
-            log.warning("job %s: database unavailable (%s); retrying", job_id, reason)
+            cause = getattr(exc, "orig", None) or exc
+            log.warning("job %s: database unavailable (%s); retrying", job_id, cause)
             s = ctx.settings
             delay = backoff(self.request.retries + 1, s.retry_base_s, s.retry_cap_s)
-            _send_back(ctx, self, int(job_id), delay)
-            return "database unavailable"
-        if result.outcome in _REQUEUE:
-            # The job is `queued` in Postgres: publish its next message; ours is acked.
-            _send_back(ctx, self, int(job_id), result.retry_in_s)
-        return str(result.outcome.value)
+            reason = f"database unavailable: {' '.join(str(cause).split())[:300]}"
+            result = Result(Outcome.RETRY, delay, reason=reason)
+        ctx.metrics.attempt(result.outcome.value)
+        return _ending(ctx, self, job_id, result)
 
     return app, holder
 
 
-def _send_back(ctx: WorkerContext, task: Task, job_id: int, countdown: float) -> None:
-    """Publish the job's next message, as Celery's ``Task.retry`` would (same task id)."""
-    ctx.publisher.publish_later(
-        job_id, countdown=countdown, retries=task.request.retries + 1, task_id=task.request.id
-    )
+def _ending(ctx: WorkerContext, task: Task, job_id: int, result: Result) -> str:
+    """End the task as what happened to the job: its result string (done and the
+    duplicates), or SentBack (RETRY), JobFailed (FAILURE), the SKIPPED event."""
+    if result.outcome in _REQUEUE:
+        # The job is `queued` in Postgres: publish its next message; ours is acked.
+        job_tag = result.job_tag or wire.tag_of(job_id, task.request.argsrepr)
+        ctx.publisher.publish_later(
+            job_id,
+            countdown=result.retry_in_s,
+            retries=task.request.retries + 1,
+            task_id=task.request.id,  # one task in Flower through its retries
+            job_tag=job_tag,
+        )
+        raise SentBack(result.reason, when=round(result.retry_in_s, 3))
+    if result.outcome is Outcome.FAILED:
+        raise JobFailed(result.reason)
+    if result.outcome is Outcome.SKIPPED:
+        task.send_event(SKIPPED_EVENT, result=SKIPPED_RESULT)
+        raise Ignore()  # no task-succeeded after it: the task stays SKIPPED
+    if result.outcome is Outcome.DONE:
+        return f"done · {result.tokens:,} tokens"
+    return f"{result.outcome.value}: {result.reason}"  # a duplicate message, a lost claim
 
 
-def nodename() -> str:
-    """A Celery node name unique to this process (several workers may share a host)."""
-    return f"eaglegen-{os.getpid()}@{socket.gethostname()}"
+def nodename(servers: Sequence[str], numa_node: int | None = None) -> str:
+    """A Celery node name that says where this process works, e.g.
+    ``gpu0+gpu1.numa0.pid4242@host``: its servers, its NUMA node, and its pid, which keeps
+    it unique (several workers may share a host, even the same servers)."""
+    names = [re.sub(r"[^\w.:+-]", "-", name) for name in servers]
+    shown = "+".join(names)
+    if len(shown) > 60:
+        shown = "+".join(names[:2]) + f"+{len(names) - 2}more"
+    node = "" if numa_node is None else f".numa{numa_node}"
+    return f"{shown or 'eaglegen'}{node}.pid{os.getpid()}@{socket.gethostname()}"
 
 
 def worker_argv(settings: Settings, *, hostname: str, loglevel: str = "INFO") -> list[str]:
@@ -117,9 +188,13 @@ def start(
     servers: list[ServerSpec] | None = None,
     info: dict[str, Any] | None = None,
     loglevel: str = "INFO",
+    metrics_port: int | None = None,
 ) -> int:
     """Run a worker in this process until SIGTERM/SIGINT, then shut down with a grace period;
-    the exit code (non-zero when Celery stopped on an unrecoverable error)."""
+    the exit code (non-zero when Celery stopped on an unrecoverable error).
+
+    ``metrics_port``: serve this process's Prometheus metrics there.
+    """
     # httpx logs every request at INFO: hundreds of lines a second from a busy worker.
     quiet = logging.getLevelName(loglevel.upper()) != logging.DEBUG
     logging.getLogger("httpx").setLevel(logging.WARNING if quiet else logging.DEBUG)
@@ -137,7 +212,11 @@ def start(
         settings.db_pool_size,
         settings.worker_concurrency,
     )
-    name = nodename()
+    numa_node = (info or {}).get("numa_node")
+    name = nodename([s.name for s in ctx.router.servers], numa_node)
+    exporter = None if metrics_port is None else metrics.serve(ctx.metrics, metrics_port)
+    if exporter is not None:
+        log.warning("worker %s: Prometheus metrics on port %d", name, metrics_port)
     background = Background(ctx, app, name, info)
     background.start()
     _on_shutdown(ctx)
@@ -148,6 +227,8 @@ def start(
         app.worker_main(worker_argv(settings, hostname=name, loglevel=loglevel))
     finally:
         background.stop()
+        if exporter is not None:
+            exporter.shutdown()
         if held := release_held(ctx):
             log.warning("worker stopping: released %s job(s) it still held: %s", len(held), held)
         holder.close()
@@ -185,9 +266,10 @@ def release_held(ctx: WorkerContext) -> list[int]:
     """Give back every job this process still holds, in any phase, without spending an
     attempt, and its slots; the released ids. A publish Redis refuses is left to the
     reconciler, which publishes queued jobs without a message from Postgres."""
+    running = ctx.running_tags()
     released = [
         j
-        for j in ctx.running_jobs()
+        for j in running
         if ctx.repo.release(j, ctx.name, "worker stopped before the request finished", refund=True)
     ]
     try:
@@ -195,7 +277,7 @@ def release_held(ctx: WorkerContext) -> list[int]:
     except redis.RedisError as exc:
         log.warning("slots not given back (%s): their leases lapse by themselves", exc)
     try:
-        ctx.publisher.publish(released)
+        ctx.publisher.publish(released, running)
     except redis.RedisError as exc:
         log.warning("released jobs not published (%s): the reconciler will", exc)
     return released

@@ -31,8 +31,9 @@ def run_worker(
     """Start one pinned worker, or (``auto``, ``0,1``) one child process per NUMA node."""
     from worker.app import start
 
+    port = settings.metrics_port
     if numa_spec is None:
-        return start(settings, services)
+        return start(settings, services, metrics_port=port)
     topology = numa.read_topology(sysfs_root)
     nodes = numa.resolve_nodes(numa_spec, topology)
     if len(nodes) > 1:
@@ -46,7 +47,13 @@ def run_worker(
     servers = numa.servers_for_node(settings.servers, node.id)
     pinned = numa.pin_to_node(node)
     log.warning("worker pinned: %s; servers: %s", pinned, ", ".join(s.name for s in servers))
-    return start(settings, services, servers=servers, info=pinned.as_dict())
+    return start(
+        settings,
+        services,
+        servers=servers,
+        info=pinned.as_dict(),
+        metrics_port=None if port is None else port + node.id,
+    )
 
 
 def _supervise(nodes: list[int], argv_rest: list[str], env: dict[str, str]) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import redis
 
+from core import wire
 from core.broker import Publisher, waiting_job_ids
 from models.repository import Repository
 
@@ -44,11 +45,18 @@ def reconcile(
 ) -> ReconcileReport:
     """One reconciliation pass; safe to run anywhere, any number of times."""
     expired = repo.expire_leases(max_attempts)
-    publisher.publish(expired)
+    publisher.publish(expired, _tags(repo, expired))
     # Read candidates before scanning Redis: a job published after the scan started was
     # also published after this read, so it is never mistaken for missing.
     candidates = repo.queued_job_ids(idle_seconds=republish_after_s)
     waiting = waiting_job_ids(client, publisher.queue)
     missing = sorted(set(candidates) - waiting - set(expired))
-    publisher.publish(missing)
+    publisher.publish(missing, _tags(repo, missing))
     return ReconcileReport(len(expired), len(missing), len(waiting))
+
+
+def _tags(repo: Repository, job_ids: list[int]) -> dict[int, str]:
+    """Each job's label tag (its dataset and run, as Flower shows them)."""
+    if not job_ids:
+        return {}
+    return {j: wire.tag(d, r) for j, (r, d) in repo.job_datasets(job_ids).items()}

@@ -4,9 +4,31 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class ErrorKind(StrEnum):
+    """A failed attempt's class: short and stable, for the job's attempt history, the
+    workers' Prometheus error label and Flower; the reason itself says the rest."""
+
+    TIMEOUT = "timeout"  # connect or read timeout
+    CONNECTION = "connection"  # refused, reset or dropped, a stream cut before its end
+    HTTP_4XX = "http_4xx"  # a non-200 status below 500 (408 and 429 among them)
+    HTTP_5XX = "http_5xx"
+    MALFORMED = "malformed"  # a body or chunk that is not JSON
+    INVALID_RESPONSE = "invalid_response"  # JSON that breaks the contract (worker.validate)
+    ABORTED = "aborted"  # finish_reason abort
+    STALLED = "stalled"  # no progress for stall_timeout_s
+    TOO_LARGE = "too_large"  # over max_response_bytes
+    INVALID_REQUEST = "invalid_request"  # refused before sending (sampling params)
+    UNEXPECTED = "unexpected"  # nothing foresaw it (a bug here or a strange server)
+
+
+def status_kind(status: int) -> ErrorKind:
+    """The class of a non-200 HTTP status."""
+    return ErrorKind.HTTP_5XX if status >= 500 else ErrorKind.HTTP_4XX
 
 
 class Disposition(Enum):
@@ -25,6 +47,7 @@ class AttemptError(Exception):
     reason: str
     retryable: bool
     transport: bool = False  # the connection failed: says something about the server
+    kind: ErrorKind = ErrorKind.UNEXPECTED
 
     def __str__(self) -> str:
         return self.reason

@@ -19,14 +19,16 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as SQLTimeoutError
 
+from core import wire
 from core.broker import Publisher
 from core.settings import ServerSpec, Services, Settings
 from models.db import make_engine
 from models.records import ClaimedJob, GenerationRecord, RunModel
 from models.repository import Repository
+from worker.metrics import WorkerMetrics
 from worker.names import ServerNames
 from worker.reasoning import split_reasoning
-from worker.retry import AttemptError, Disposition, backoff, decide
+from worker.retry import AttemptError, Disposition, ErrorKind, backoff, decide
 from worker.servers import Lease, Router, Server, probe
 from worker.sglang import SGLangClient
 from worker.slots import SlotPool
@@ -74,10 +76,18 @@ class Outcome(Enum):
 
 @dataclass(frozen=True)
 class Result:
-    """The outcome and, for RETRY/DEFERRED, the delay before the job is published again."""
+    """The outcome and, for RETRY/DEFERRED, the delay before the job is published again.
+
+    ``tokens``: the completion tokens recorded (DONE); ``reason``: why it did not end done,
+    in one line; ``job_tag``: the job's dataset tag (core.wire.tag) once claimed, for the
+    message that sends it back.
+    """
 
     outcome: Outcome
     retry_in_s: float = 0.0
+    tokens: int = 0
+    reason: str = ""
+    job_tag: str = ""
 
 
 @dataclass
@@ -91,7 +101,9 @@ class WorkerContext:
     publisher: Publisher
     names: ServerNames
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    in_flight: set[int] = field(default_factory=set)
+    # The jobs this process runs, each with its dataset tag (for the release at shutdown).
+    in_flight: dict[int, str] = field(default_factory=dict)
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     stopping: threading.Event = field(default_factory=threading.Event)
     # Runs none of this worker's servers may generate, with why (logged once per reason).
     unserved: dict[str, str] = field(default_factory=dict)
@@ -121,28 +133,40 @@ class WorkerContext:
             for s in servers
         ]
         router = Router(attached, SlotPool(client, lease_seconds=settings.slot_lease_seconds))
+        metrics = WorkerMetrics()
+        metrics.known_servers([s.name for s in attached])
+        repo = Repository(engine)
         return cls(
             settings=settings,
-            repo=Repository(engine),
+            repo=repo,
             router=router,
             redis=client,
             publisher=Publisher(services.broker_url, settings.queue),
             names=ServerNames(client, ttl_s=heartbeat_ttl(settings)),
+            metrics=metrics,
         )
 
     def hold_server_names(self) -> list[str]:
         """Hold this worker's server names in the cluster; a line per name held elsewhere."""
         return self.names.hold([s.spec for s in self.router.servers])
 
-    def track(self, job_id: int, running: bool) -> None:
+    def track(self, job_id: int, running: bool, job_tag: str = "") -> None:
         """Remember which jobs this process runs, for lease renewal."""
         with self._lock:
-            (self.in_flight.add if running else self.in_flight.discard)(job_id)
+            if running:
+                self.in_flight[job_id] = job_tag
+            else:
+                self.in_flight.pop(job_id, None)
 
     def running_jobs(self) -> list[int]:
         """The jobs this process is running now."""
         with self._lock:
             return list(self.in_flight)
+
+    def running_tags(self) -> dict[int, str]:
+        """The jobs this process is running now, with their dataset tags."""
+        with self._lock:
+            return dict(self.in_flight)
 
     def close(self) -> None:
         """Release connections."""
@@ -157,10 +181,10 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
     """Run one attempt of ``job_id``; the slot is taken before the claim, so a worker
     whose servers are full or down never holds a job it cannot start."""
     if ctx.stopping.is_set():
-        return Result(Outcome.NO_SLOT)
+        return Result(Outcome.NO_SLOT, reason="worker stopping")
     wanted = ctx.repo.run_model(job_id)
     if wanted is None:
-        return Result(Outcome.NOT_CLAIMED)  # deleted with its run
+        return Result(Outcome.NOT_CLAIMED, reason="job gone (deleted with its run)")
     serving = [s for s in ctx.router.servers if s.serves(wanted) is None]
     interval = ctx.settings.health_interval_s
     if not serving and ctx.router.identify_unknown(min(interval, 5.0), interval):
@@ -168,65 +192,91 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
     if not serving:
         # Offered again (here or to another worker) after a health interval, as when every
         # server is down: a server of its model may come up meanwhile.
-        _unserved(ctx, job_id, wanted)
-        return Result(Outcome.NO_SLOT, ctx.settings.health_interval_s)
+        reason = _unserved(ctx, job_id, wanted)
+        return Result(Outcome.NO_SLOT, ctx.settings.health_interval_s, reason=reason)
+    ctx.unserved.pop(wanted.run, None)  # served now: the heartbeat stops naming the run
     lease = ctx.router.acquire(ctx.settings.slot_wait_s, among=serving)
     if lease is None:
         # Servers full: another worker may take it now. All down: not before the next probe.
         down = not any(s.healthy for s in serving)
-        return Result(Outcome.NO_SLOT, ctx.settings.health_interval_s if down else 0.0)
+        return Result(
+            Outcome.NO_SLOT,
+            ctx.settings.health_interval_s if down else 0.0,
+            reason=f"no free slot: this worker's servers are {'down' if down else 'full'}",
+        )
     try:
         return _claimed_attempt(ctx, job_id, lease)
     finally:
         ctx.router.release(lease)
 
 
-def _unserved(ctx: WorkerContext, job_id: int, wanted: RunModel) -> None:
-    """Leave the job queued, saying on it (and once in the log) why no server took it."""
+def _unserved(ctx: WorkerContext, job_id: int, wanted: RunModel) -> str:
+    """Leave the job queued, saying on it (and once in the log) why no server took it;
+    the reason."""
     reasons = "; ".join(why for s in ctx.router.servers if (why := s.serves(wanted)))
     reason = f"waiting for a server of model {wanted.model!r}: {reasons}"
     if ctx.unserved.get(wanted.run) != reason:
         ctx.unserved[wanted.run] = reason
         log.warning("run %s: none of this worker's servers may generate it: %s", wanted.run, reason)
     ctx.repo.note_waiting(job_id, reason)
+    return reason
 
 
 def _claimed_attempt(ctx: WorkerContext, job_id: int, lease: Lease) -> Result:
     claim = ctx.repo.claim(job_id, ctx.name, ctx.settings.lease_seconds)
     if claim.outcome == "deferred":
-        return Result(Outcome.DEFERRED, retry_in_s=ctx.settings.budget_defer_s)
+        wait = ctx.settings.budget_defer_s
+        return Result(
+            Outcome.DEFERRED,
+            retry_in_s=wait,
+            reason=f"budget deferral: the rest of the budget is held by running jobs; "
+            f"asked again in {wait:g} s",
+        )
     if claim.outcome == "skipped":
-        return Result(Outcome.SKIPPED)
+        return Result(Outcome.SKIPPED, reason="skipped_budget: the dataset's budget is spent")
     if claim.job is None:
-        return Result(Outcome.NOT_CLAIMED)
+        return Result(Outcome.NOT_CLAIMED, reason="no longer queued (done or taken elsewhere)")
+    job_tag = wire.tag(claim.job.dataset, claim.job.run)
+    server = lease.server
     # Tracked (its lease renewed, released at shutdown) until it is recorded or settled.
-    ctx.track(job_id, True)
+    ctx.track(job_id, True, job_tag)
     try:
-        try:
-            record = _generate(lease.server, claim.job)
-        except AttemptError as error:
-            return _settle_failure(ctx, lease.server, claim.job, error)
-        except Exception as exc:  # a response nothing expected: this attempt ends now
-            return _settle_failure(ctx, lease.server, claim.job, _unexpected(lease.server, exc))
+        with ctx.metrics.request(server.name) as request:
+            try:
+                record = _generate(server, claim.job)
+            except AttemptError as error:
+                request.failed(error.kind)
+                failure: AttemptError | None = error
+            except Exception as exc:  # a response nothing expected: this attempt ends now
+                failure = _unexpected(server, exc)
+                request.failed(failure.kind)
+            else:
+                failure = None
+        if failure is not None:
+            return replace(_settle_failure(ctx, server, claim.job, failure), job_tag=job_tag)
         try:
             recorded = _record(ctx, job_id, record)
         except DATABASE_UNAVAILABLE:
             raise  # the task sends the job back; the lease covers it meanwhile
         except Exception as exc:  # e.g. an id beyond int32, which Postgres cannot hold
-            return _settle_failure(ctx, lease.server, claim.job, _unexpected(lease.server, exc))
+            failure = _unexpected(server, exc)
+            return replace(_settle_failure(ctx, server, claim.job, failure), job_tag=job_tag)
     finally:
         ctx.track(job_id, False)
     if recorded:
-        return Result(Outcome.DONE)
+        ctx.metrics.recorded(server.name, record.prompt_tokens, record.completion_tokens)
+        return Result(Outcome.DONE, tokens=record.completion_tokens, job_tag=job_tag)
     log.warning("job %s: claim lost before recording; result dropped", job_id)
-    return Result(Outcome.LOST)
+    return Result(Outcome.LOST, reason="claim lost before recording; result dropped")
 
 
 def _unexpected(server: Server, exc: Exception) -> AttemptError:
     """An error no check foresaw, as a retryable failure of the attempt that keeps its cause
     (instead of the job waiting out its lease with "lease expired" as its only trace)."""
     detail = " ".join(str(exc).split())[:500]
-    return AttemptError(f"{server.name}: {type(exc).__name__}: {detail}", retryable=True)
+    return AttemptError(
+        f"{server.name}: {type(exc).__name__}: {detail}", retryable=True, kind=ErrorKind.UNEXPECTED
+    )
 
 
 def _record(ctx: WorkerContext, job_id: int, record: GenerationRecord) -> bool:
@@ -270,9 +320,10 @@ def _settle_failure(
     ctx: WorkerContext, server: Server, job: ClaimedJob, error: AttemptError
 ) -> Result:
     if ctx.stopping.is_set():
-        # Cut short by shutdown, not by the job: give it back without spending an attempt.
+        # Cut short by shutdown, not by the job: give it back without spending an attempt
+        # (nor counting it as the server's failure).
         ctx.repo.release(job.id, ctx.name, f"worker shutting down: {error}", refund=True)
-        return Result(Outcome.NO_SLOT)
+        return Result(Outcome.NO_SLOT, reason=f"worker stopping ({error.kind}: {error})")
     if error.transport:
         # One lost connection says little (a keep-alive race, a proxy reset): stop sending to
         # the server only when its health check fails too; the health loop brings it back.
@@ -280,11 +331,13 @@ def _settle_failure(
         if down is not None:
             ctx.router.mark(server, healthy=False, reason=f"{error}; {down}")
     if decide(error, job.attempts, ctx.settings.max_attempts) is Disposition.RETRY:
-        ctx.repo.release(job.id, ctx.name, str(error))
+        ctx.repo.release(job.id, ctx.name, str(error), server=server.name, kind=error.kind)
+        wait = backoff(job.attempts, ctx.settings.retry_base_s, ctx.settings.retry_cap_s)
         return Result(
             Outcome.RETRY,
-            retry_in_s=backoff(job.attempts, ctx.settings.retry_base_s, ctx.settings.retry_cap_s),
+            retry_in_s=wait,
+            reason=f"attempt {job.attempts} failed ({error.kind}): {error}; again in {wait:.3g} s",
         )
-    ctx.repo.fail(job.id, ctx.name, str(error))
+    ctx.repo.fail(job.id, ctx.name, str(error), server=server.name, kind=error.kind)
     log.warning("job %s failed after %s attempt(s): %s", job.id, job.attempts, error)
-    return Result(Outcome.FAILED)
+    return Result(Outcome.FAILED, reason=f"after {job.attempts} attempt(s) ({error.kind}): {error}")

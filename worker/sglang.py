@@ -20,7 +20,7 @@ import httpx
 
 from core import sampling
 from core.settings import ServerSpec
-from worker.retry import AttemptError, classify_status
+from worker.retry import AttemptError, ErrorKind, classify_status, status_kind
 from worker.stream import Assembler, events
 
 KEEPALIVE_EXPIRY_S = 2.0
@@ -65,7 +65,11 @@ class SGLangClient:
         """POST /generate; raise AttemptError (retryable or not) on any failure."""
         refused = sampling.unsendable(sampling_params)
         if refused:
-            raise AttemptError(f"sampling params SGLang must not get: {refused}", retryable=False)
+            raise AttemptError(
+                f"sampling params SGLang must not get: {refused}",
+                retryable=False,
+                kind=ErrorKind.INVALID_REQUEST,
+            )
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
@@ -82,6 +86,7 @@ class SGLangClient:
                         f"{self.server.name}: HTTP {response.status_code}: "
                         f"{_error_message(_head(response))}",
                         retryable=classify_status(response.status_code),
+                        kind=status_kind(response.status_code),
                     )
                 if self._stream:
                     return self._streamed(response)
@@ -91,11 +96,18 @@ class SGLangClient:
                 f"{self.server.name}: {type(exc).__name__}: {exc}",
                 retryable=True,
                 transport=True,
+                kind=(
+                    ErrorKind.TIMEOUT
+                    if isinstance(exc, httpx.TimeoutException)
+                    else ErrorKind.CONNECTION
+                ),
             ) from exc
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
-            raise AttemptError(f"{self.server.name}: malformed JSON body", retryable=True) from exc
+            raise AttemptError(
+                f"{self.server.name}: malformed JSON body", retryable=True, kind=ErrorKind.MALFORMED
+            ) from exc
 
     def _streamed(self, response: httpx.Response) -> dict[str, Any]:
         """A streamed answer folded into one body (worker.stream)."""
@@ -127,6 +139,7 @@ class SGLangClient:
                     f"{self.server.name}: the answer took over {self._stall_s:g} s to arrive "
                     f"after its headers ({size} bytes so far): a stalled or dripping server",
                     retryable=True,
+                    kind=ErrorKind.STALLED,
                 )
             chunks.append(chunk)
         return b"".join(chunks)
@@ -137,6 +150,7 @@ class SGLangClient:
             f"invalid response: {self.server.name}: body {what}, over max_response_bytes="
             f"{self._max_bytes}",
             retryable=False,
+            kind=ErrorKind.TOO_LARGE,
         )
 
     def get(self, path: str, timeout_s: float) -> httpx.Response:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from worker.retry import AttemptError
+from worker.retry import AttemptError, ErrorKind
 
 DONE = b"[DONE]"
 
@@ -51,12 +51,14 @@ def events(
             raise AttemptError(
                 f"invalid response: a streamed chunk over max_response_bytes={max_event_bytes}",
                 retryable=False,
+                kind=ErrorKind.TOO_LARGE,
             )
         if clock() - last_event > stall_s:
             raise AttemptError(
                 f"no streamed chunk for over {stall_s:g} s ({len(pending)} bytes of one so "
                 "far): a stalled or dripping server",
                 retryable=True,
+                kind=ErrorKind.STALLED,
             )
 
 
@@ -81,14 +83,24 @@ class Assembler:
         try:
             chunk = json.loads(data)
         except (ValueError, RecursionError) as exc:
-            raise AttemptError("malformed JSON in a streamed chunk", retryable=True) from exc
+            raise AttemptError(
+                "malformed JSON in a streamed chunk", retryable=True, kind=ErrorKind.MALFORMED
+            ) from exc
         if not isinstance(chunk, dict):
-            raise AttemptError("invalid response: a streamed chunk is not an object", False)
+            raise AttemptError(
+                "invalid response: a streamed chunk is not an object",
+                retryable=False,
+                kind=ErrorKind.INVALID_RESPONSE,
+            )
         if "error" in chunk:
             # What SGLang streams for a request it refuses (a 400 when not streamed).
             error = chunk["error"]
             message = error.get("message") if isinstance(error, dict) else error
-            raise AttemptError(f"server refused the request: {message}", retryable=False)
+            raise AttemptError(
+                f"server refused the request: {message}",
+                retryable=False,
+                kind=ErrorKind.HTTP_4XX,  # a 400 when not streamed
+            )
         self._extend(chunk)
         self.last = chunk
 
@@ -100,6 +112,7 @@ class Assembler:
             raise AttemptError(
                 "invalid response: a streamed chunk without output_ids or completion_tokens",
                 retryable=False,
+                kind=ErrorKind.INVALID_RESPONSE,
             )
         held = len(self.output_ids)
         if held + len(ids) == total:  # the ids since the last chunk (or the first chunk)
@@ -111,12 +124,16 @@ class Assembler:
                 f"invalid response: streamed output_ids ({held} so far, {len(ids)} in this "
                 f"chunk) disagree with completion_tokens={total}",
                 retryable=False,
+                kind=ErrorKind.INVALID_RESPONSE,
             )
 
     def answer(self) -> dict[str, Any]:
         """The whole answer: the last chunk with every output id, once the stream ended."""
         if self.last is None or not self.done:
             raise AttemptError(
-                "the stream ended before its last chunk ([DONE])", retryable=True, transport=True
+                "the stream ended before its last chunk ([DONE])",
+                retryable=True,
+                transport=True,
+                kind=ErrorKind.CONNECTION,
             )
         return {**self.last, "output_ids": self.output_ids}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.records import GenerationRecord
-from worker.retry import AttemptError
+from worker.retry import AttemptError, ErrorKind
 
 FINISH_TYPES = frozenset({"stop", "length", "abort"})
 
@@ -30,7 +30,9 @@ class Request:
 
 def _fail(reason: str) -> AttemptError:
     # Invariant violations are not retried: the same server would most likely repeat them.
-    return AttemptError(f"invalid response: {reason}", retryable=False)
+    return AttemptError(
+        f"invalid response: {reason}", retryable=False, kind=ErrorKind.INVALID_RESPONSE
+    )
 
 
 def _is_int(value: object) -> bool:
@@ -53,7 +55,9 @@ def check_response(body: Any, sent: Request, server: str) -> GenerationRecord:
     if meta.get("id") != sent.rid:
         # Someone else's answer (a proxy or server mix-up), not a property of this job.
         raise AttemptError(
-            f"response for request {meta.get('id')!r}, not for {sent.rid!r}", retryable=True
+            f"response for request {meta.get('id')!r}, not for {sent.rid!r}",
+            retryable=True,
+            kind=ErrorKind.INVALID_RESPONSE,
         )
     output_ids = _output_ids(body.get("output_ids"), sent.vocab_size)
     finish = meta.get("finish_reason")
@@ -62,7 +66,11 @@ def check_response(body: Any, sent: Request, server: str) -> GenerationRecord:
         raise _fail(f"unknown finish_reason {finish!r}")
     assert isinstance(finish, dict)
     if finish_type == "abort":
-        raise AttemptError(f"server aborted the request: {finish.get('message')}", retryable=True)
+        raise AttemptError(
+            f"server aborted the request: {finish.get('message')}",
+            retryable=True,
+            kind=ErrorKind.ABORTED,
+        )
     prompt, completion = _counts(meta, output_ids, sent)
     matched = finish.get("matched", finish.get("length"))
     if finish_type == "stop" and _is_int(matched) and output_ids[-1:] != [matched]:

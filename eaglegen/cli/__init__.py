@@ -6,14 +6,25 @@ from __future__ import annotations
 
 import typer
 
-from eaglegen.cli import budget, db, enqueue, export, maintenance, sim, stack, status, worker
+from eaglegen.cli import (
+    budget,
+    db,
+    enqueue,
+    export,
+    flower,
+    maintenance,
+    sim,
+    stack,
+    status,
+    worker,
+)
 
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     help="Regenerate EAGLE-3 training data with the target model's exact tokens.",
 )
-for module in (enqueue, worker, status, stack, sim, maintenance, export):
+for module in (enqueue, worker, status, stack, sim, maintenance, export, flower):
     app.add_typer(module.app)  # no name: its commands are top-level ones
 app.add_typer(db.app, name="db")
 app.add_typer(budget.app, name="budget")

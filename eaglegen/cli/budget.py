@@ -58,6 +58,7 @@ def set_budget(
     data_dir: DataDir = None,
 ) -> None:
     """Change a budget; raising it re-queues and publishes the jobs it had skipped."""
+    from core import wire
     from core.broker import Publisher
     from models.ledger import format_tokens, parse_tokens
 
@@ -71,8 +72,10 @@ def set_budget(
         requeued = with_lock_retries(
             lambda: repo.set_budget(run, dataset, budget), f"dataset {dataset!r}"
         )
+        names = repo.job_datasets(requeued[:1])  # one dataset: one label for all
+    tag = next((wire.tag(d, r) for r, d in names.values()), "")
     with Publisher(live.broker_url, settings.queue) as publisher:
-        publisher.publish(requeued)
+        publisher.publish(requeued, tag)
     if json_out:
         emit_json({"dataset": dataset, "budget_tokens": budget, "requeued": len(requeued)})
     else:

@@ -16,6 +16,7 @@ from eaglegen.cli.base import (
     err,
     load_settings,
 )
+from eaglegen.stack import FLOWER_AUTH_ENV
 
 app = typer.Typer()
 
@@ -53,7 +54,11 @@ def up(
     flower_port: Annotated[int, typer.Option(help="Flower port")] = 5555,
     flower_basic_auth: Annotated[
         str | None,
-        typer.Option(envvar="FLOWER_BASIC_AUTH", help="USER:PASSWORD, required off loopback"),
+        typer.Option(
+            envvar=[FLOWER_AUTH_ENV, "FLOWER_BASIC_AUTH"],
+            help="USER:PASSWORD (several joined by commas), required off loopback; prefer "
+            "the environment variable, a flag is visible to every user of the host",
+        ),
     ] = None,
     json_out: JsonFlag = False,
 ) -> None:

@@ -41,6 +41,16 @@ def worker(
     check: Annotated[
         bool, typer.Option("--check", help="Exit 0 if this host's workers are alive, else 1")
     ] = False,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            envvar="EAGLEGEN_METRICS_PORT",
+            help="Serve Prometheus metrics on this port (all interfaces); a process pinned "
+            "to NUMA node K uses this port + K",
+        ),
+    ] = None,
     database_url: DatabaseUrl = None,
     broker_url: BrokerUrl = None,
     data_dir: DataDir = None,
@@ -56,6 +66,7 @@ def worker(
         data_dir=data_dir,
         worker_concurrency=concurrency,
         servers=parse_servers(server) if server else None,
+        metrics_port=metrics_port,
     )
     live = services(settings, check_database=not check)  # --check reads heartbeats only
     if check:
@@ -68,4 +79,6 @@ def worker(
     passthrough = [f"--server={s}" for s in server]
     if concurrency is not None:
         passthrough.append(f"--concurrency={concurrency}")
+    if metrics_port is not None:
+        passthrough.append(f"--metrics-port={metrics_port}")
     raise typer.Exit(run_worker(settings, live, numa_node, passthrough))

@@ -19,6 +19,8 @@ from worker.celeryconfig import make_celery
 
 # Per-message values: ids, tags, the origin, the reply queue of the sending app, the eta.
 VARYING = {"id", "root_id", "correlation_id", "delivery_tag", "origin", "reply_to", "eta"}
+# Labels as Flower shows them: none, a plain one, and names JSON must escape.
+TAGS = ["", wire.tag("chat", "r1"), wire.tag('we"ird\\ · näme', None)]
 
 
 def strip(message: dict[str, Any]) -> dict[str, Any]:
@@ -31,7 +33,9 @@ def strip(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def celery_sends(broker_url: str, queue: str, **options: Any) -> dict[str, Any]:
-    """The envelope Celery's send_task LPUSHes for ``generate(job_id=42)``."""
+    """The envelope Celery's send_task LPUSHes for ``generate(job_id=42)`` (labelled as
+    ours are with ``argsrepr``: Celery's own option for what monitors show)."""
+    options.setdefault("argsrepr", wire.label(42))
     app = make_celery(Settings(queue=queue), broker_url)
     app.conf.task_send_sent_event = False
     app.send_task(wire.TASK_GENERATE, kwargs={"job_id": 42}, queue=queue, **options)
@@ -39,13 +43,19 @@ def celery_sends(broker_url: str, queue: str, **options: Any) -> dict[str, Any]:
     with redis.Redis.from_url(broker_url) as client:
         [raw] = client.lrange(queue, 0, -1)
         client.delete(queue)
-    return json.loads(raw)  # type: ignore[no-any-return]
+    message: dict[str, Any] = json.loads(raw)
+    # send_task hands every option on to kombu, which copies this one into the message
+    # properties too; workers and monitors read the header, so ours carries only that.
+    assert message["properties"].pop("argsrepr") == options["argsrepr"]
+    return message
 
 
-def test_envelope_matches_send_task(broker_url: str) -> None:
-    celery_message = celery_sends(broker_url, "q")
-    ours = json.loads(wire.EnvelopeFactory("q", "host:1")(42))
+@pytest.mark.parametrize("tag", TAGS)
+def test_envelope_matches_send_task(broker_url: str, tag: str) -> None:
+    celery_message = celery_sends(broker_url, "q", argsrepr=wire.label(42, tag))
+    ours = json.loads(wire.EnvelopeFactory("q", "host:1")(42, tag))
     assert strip(ours) == strip(celery_message)
+    assert ours["headers"]["argsrepr"] == f"job 42{tag}"
     assert base64.b64decode(ours["body"]) == base64.b64decode(celery_message["body"])
     headers = ours["headers"]
     assert headers["id"] == headers["root_id"] == ours["properties"]["correlation_id"]
@@ -56,8 +66,13 @@ def test_envelope_matches_send_task(broker_url: str) -> None:
 def test_a_message_sent_back_matches_send_task_with_countdown_and_retries(
     broker_url: str, countdown: float
 ) -> None:
-    celery_message = celery_sends(broker_url, "q", countdown=countdown, retries=3)
-    ours = json.loads(wire.EnvelopeFactory("q", "h:1").later(42, countdown=countdown, retries=3))
+    tag = wire.tag("chat", "r1")
+    celery_message = celery_sends(
+        broker_url, "q", countdown=countdown, retries=3, argsrepr=wire.label(42, tag)
+    )
+    ours = json.loads(
+        wire.EnvelopeFactory("q", "h:1").later(42, countdown=countdown, retries=3, job_tag=tag)
+    )
     assert strip(ours) == strip(celery_message)
     assert ours["headers"]["retries"] == 3
     for message in (ours, celery_message):
@@ -76,33 +91,53 @@ def test_a_message_sent_back_keeps_its_task_id() -> None:
     assert first["properties"]["delivery_tag"] != second["properties"]["delivery_tag"]
 
 
-def test_the_fast_rendering_is_the_defined_envelope() -> None:
+@pytest.mark.parametrize("tag", TAGS)
+def test_the_fast_rendering_is_the_defined_envelope(tag: str) -> None:
     factory = wire.EnvelopeFactory('we"ird%q', "h:1")
-    fast = json.loads(factory(2**40))
-    defined = wire.envelope(
-        2**40,
-        queue='we"ird%q',
-        origin="h:1",
-        task_id=fast["headers"]["id"],
-        delivery_tag=fast["properties"]["delivery_tag"],
-    )
-    assert fast == defined
+    for _ in range(2):  # the second from the factory's escaped tags
+        fast = json.loads(factory(2**40, tag))
+        defined = wire.envelope(
+            2**40,
+            queue='we"ird%q',
+            origin="h:1",
+            task_id=fast["headers"]["id"],
+            delivery_tag=fast["properties"]["delivery_tag"],
+            job_tag=tag,
+        )
+        assert fast == defined
+
+
+def test_a_label_gives_back_its_tag_and_nothing_else() -> None:
+    tag = wire.tag("chat · v2", "r1")
+    assert wire.tag_of(7, wire.label(7, tag)) == tag
+    assert wire.tag_of(7, wire.label(77, tag)) == ""  # another job's label
+    for other in ("()", "job 7", None, "job 7x · dataset d"):
+        assert wire.tag_of(7, other) == ""
 
 
 def test_kombu_decodes_what_we_publish(broker_url: str) -> None:
+    tag = wire.tag("chat", "r1")
     with Publisher(broker_url, "q") as publisher:
-        publisher.publish([5])
-        publisher.publish_later(6, countdown=2, retries=1)
+        publisher.publish([5, 7], {5: tag})
+        publisher.publish_later(6, countdown=2, retries=1, job_tag=tag)
     with Connection(broker_url) as connection:
         channel = connection.default_channel
         decoded = []
-        for _ in range(2):
+        for _ in range(3):
             message = channel.basic_get("q", no_ack=True)
             assert message.content_type == "application/json"
             assert message.headers["task"] == wire.TASK_GENERATE
             decoded.append((message.payload, message.headers["retries"]))
+            decoded.append(message.headers["argsrepr"])
     embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
-    assert decoded == [([[], {"job_id": 5}, embed], 0), ([[], {"job_id": 6}, embed], 1)]
+    assert decoded == [
+        ([[], {"job_id": 5}, embed], 0),
+        "job 5 · dataset chat · run r1",
+        ([[], {"job_id": 7}, embed], 0),
+        "job 7",
+        ([[], {"job_id": 6}, embed], 1),
+        "job 6 · dataset chat · run r1",
+    ]
 
 
 def test_we_read_back_what_celery_publishes(broker_url: str) -> None:

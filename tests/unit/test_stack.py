@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import pytest
 
 from eaglegen.cli.base import load_settings, parse_servers
-from eaglegen.stack import check_flower_exposure, socket_url, write_stack_file
+from eaglegen.stack import (
+    FLOWER_AUTH_ENV,
+    FLOWER_TASK_COLUMNS,
+    check_flower_exposure,
+    flower_launch,
+    socket_url,
+    write_stack_file,
+)
+from worker.app import nodename
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
@@ -62,3 +72,35 @@ def test_server_flags_accept_names() -> None:
         ("gpu1", "http://b:2"),
         ("c:3", "http://c:3/?x=y"),
     ]
+
+
+def test_flower_gets_its_login_and_broker_password_by_environment_only() -> None:
+    launch = flower_launch(
+        "redis://:broker-pw@10.0.0.9:6379/0", "0.0.0.0", 5601, "ops:flower-pw", flag="--basic-auth"
+    )
+    argv = " ".join(launch.argv)
+    assert "broker-pw" not in argv and "flower-pw" not in argv
+    assert "--address=0.0.0.0" in argv and "--port=5601" in argv
+    assert f"--tasks_columns={FLOWER_TASK_COLUMNS}" in argv
+    assert launch.env == {
+        "CELERY_BROKER_URL": "redis://:broker-pw@10.0.0.9:6379/0",
+        "FLOWER_BASIC_AUTH": "ops:flower-pw",
+    }
+    assert "flower-pw" not in repr(launch)  # a launch that gets logged shows no secret
+    assert launch.url == "http://0.0.0.0:5601"
+    assert flower_launch("redis://h:1/0", "::1", 5555).url == "http://[::1]:5555"
+
+
+def test_flower_off_loopback_names_the_flag_and_env_var_of_its_command() -> None:
+    with pytest.raises(ValueError, match=f"--basic-auth USER:PASSWORD or set {FLOWER_AUTH_ENV}"):
+        flower_launch("redis://h:1/0", "0.0.0.0", 5555, None, flag="--basic-auth")
+    assert "FLOWER_BASIC_AUTH" not in flower_launch("redis://h:1/0").env  # loopback, no login
+
+
+def test_worker_node_names_say_servers_numa_node_pid_and_host() -> None:
+    where = f"pid{os.getpid()}@{socket.gethostname()}"
+    assert nodename(["gpu0", "gpu1"], 1) == f"gpu0+gpu1.numa1.{where}"
+    assert nodename(["10.0.0.5:30000"]) == f"10.0.0.5:30000.{where}"
+    assert nodename(["a b/c@d"]) == f"a-b-c-d.{where}"  # one @ only: Celery splits on it
+    many = nodename([f"server-number-{i}" for i in range(8)], 0)
+    assert many == f"server-number-0+server-number-1+6more.numa0.{where}"

@@ -1,0 +1,340 @@
+"""Issue 11: Flower tells the truth, seen in a real browser.
+
+A real worker (in-thread, Celery threads pool) runs jobs of two datasets against the
+simulator while `eaglegen flower` (a subprocess, with a login) watches the broker; headless
+Chromium loads Flower's tasks page and must find a task labelled with its dataset whose
+result is its token count as stored in Postgres, and a budget-skipped task shown as
+SKIPPED, not as a success. Failures and deferrals are checked on Flower's API and task page.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from celery.contrib.testing.worker import start_worker
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from core.settings import ServerSpec, Settings
+from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.sim import SimConfig, SimServer
+from eaglegen.stack import FLOWER_AUTH_ENV, free_port
+from models.states import JobState
+from producer.commands import run_enqueue
+from producer.plan import DatasetPlan, RunPlan
+from tests.browser import chromium
+from tests.helpers import (
+    InspectRepository,
+    sample_rows,
+    wait_settled,
+    write_jsonl,
+)
+from worker.app import create_worker_app, nodename
+from worker.background import Background
+from worker.celeryconfig import make_celery
+from worker.runner import WorkerContext
+
+RUN = "flower-run"
+LOGIN = ("eagle", f"pw-{uuid.uuid4().hex[:12]}")
+FAST = SimConfig(seed=77, decode_step_ms=0.5, decode_ms_per_request=0.01)
+PROBE = "flower-probe@test"
+# A server name of this session's own: names are held cluster-wide in Redis, which other
+# test sessions on this machine may share.
+SERVER = f"sim{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimServer]:
+    """This module's own simulator: its faults change per test."""
+    with SimServer(FAST) as server:
+        yield server
+
+
+@pytest.fixture
+def faults(sim: SimServer) -> Iterator[Callable[..., None]]:
+    """Set the simulator's faults; all off again after the test."""
+    with httpx.Client(base_url=sim.url, timeout=10) as client:
+
+        def set_faults(**knobs: Any) -> None:
+            assert client.post("/sim/faults", json=knobs).status_code == 200
+
+        yield set_faults
+        set_faults()
+
+
+@pytest.fixture
+def fast(settings: Settings, sim: SimServer) -> Settings:
+    """Settings with quick retries and budget deferrals, on this module's simulator."""
+    return settings.model_copy(
+        update={
+            "servers": [ServerSpec(name=SERVER, url=sim.url)],
+            "retry_base_s": 0.05,
+            "retry_cap_s": 0.2,
+            "health_interval_s": 0.5,
+            "heartbeat_interval_s": 0.5,
+            "budget_defer_s": 0.1,
+            "max_attempts": 2,
+        }
+    )
+
+
+class Flower:
+    """`eaglegen flower` in a subprocess, and an authenticated HTTP client for it."""
+
+    def __init__(self, process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.process = process
+        self.url = url
+        self.log = log
+        token = base64.b64encode(f"{LOGIN[0]}:{LOGIN[1]}".encode()).decode()
+        self.authorization = f"Basic {token}"
+        self.http = httpx.Client(
+            base_url=url, timeout=10, headers={"Authorization": self.authorization}
+        )
+
+    def cmdline_free_of(self, secret: str) -> bool:
+        """Whether Flower's command line (what `ps` shows every user) lacks ``secret``:
+        `eaglegen flower` became Flower, so its pid is Flower's."""
+        cmdline = Path(f"/proc/{self.process.pid}/cmdline").read_bytes().decode()
+        assert "flower" in cmdline and "--tasks_columns" in cmdline, cmdline
+        return secret not in cmdline
+
+    def tasks(self) -> dict[str, dict[str, Any]]:
+        """Flower's /api/tasks: every task it knows, by id."""
+        body: dict[str, dict[str, Any]] = self.http.get("/api/tasks").json()
+        return body
+
+
+@contextmanager
+def flower(settings: Settings, tmp_path: Path) -> Iterator[Flower]:
+    """`eaglegen flower` with a login from the environment, ready to see events."""
+    port = free_port()
+    log = tmp_path / "flower.log"
+    assert settings.broker_url is not None
+    env = {
+        **os.environ,
+        "EAGLEGEN_BROKER_URL": settings.broker_url,
+        "EAGLEGEN_DATA_DIR": str(tmp_path / "data"),
+        FLOWER_AUTH_ENV: f"{LOGIN[0]}:{LOGIN[1]}",
+    }
+    argv = [sys.executable, "-m", "eaglegen", "flower", "--port", str(port)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    client = Flower(process, f"http://127.0.0.1:{port}", log)
+    try:
+        _wait_listening(client, settings)
+        yield client
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        client.http.close()
+
+
+def _wait_listening(client: Flower, settings: Settings) -> None:
+    """Until Flower receives events: it keeps none from before it subscribed, so a probe
+    event (a worker going offline, which Flower counts in /metrics) is sent until seen."""
+    assert settings.broker_url is not None
+    app = make_celery(settings, settings.broker_url)
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            assert client.process.poll() is None, client.log.read_text()
+            try:
+                metrics = client.http.get("/metrics").text
+            except httpx.TransportError:
+                time.sleep(0.2)
+                continue
+            if f'flower_worker_online{{worker="{PROBE}"}}' in metrics:
+                return
+            with app.events.default_dispatcher(hostname=PROBE) as dispatcher:
+                dispatcher.send("worker-offline")
+            time.sleep(0.3)
+    finally:
+        app.close()
+    raise TimeoutError(f"Flower saw no event within 60 s:\n{client.log.read_text()}")
+
+
+@contextmanager
+def product_worker(settings: Settings) -> Iterator[tuple[WorkerContext, str]]:
+    """The worker in this thread as `eaglegen worker` runs it, under its own node name."""
+    app, holder = create_worker_app(settings, settings.services())
+    ctx = holder.get()
+    name = nodename([s.name for s in ctx.router.servers])
+    background = Background(ctx, app, name)
+    background.start()
+    try:
+        with start_worker(
+            app,
+            pool="threads",
+            concurrency=settings.worker_concurrency,
+            perform_ping_check=False,
+            queues=[settings.queue],
+            shutdown_timeout=30,
+            hostname=name,
+        ):
+            yield ctx, name
+    finally:
+        background.stop()
+        holder.close()
+
+
+def enqueue(settings: Settings, tmp_path: Path, datasets: dict[str, int | None]) -> None:
+    """Six sample prompts per dataset (name → budget in tokens, None: unlimited)."""
+    path = write_jsonl(tmp_path / "rows.jsonl", sample_rows(6))
+    plan = RunPlan(
+        run=RUN,
+        tokenizer=TOKENIZER_DIR,
+        datasets=[
+            DatasetPlan(name, path, sampling={"max_new_tokens": 24}, budget_tokens=budget)
+            for name, budget in datasets.items()
+        ],
+    )
+    report = run_enqueue(settings, settings.services(), plan, quiet=True)
+    assert [d.accepted for d in report.datasets] == [6] * len(datasets)
+
+
+def job_of(args: str) -> int:
+    """The job id in a label as Flower shows it (``job 12 · dataset chat · run r``)."""
+    match = re.fullmatch(r"job (\d+) · dataset \S+ · run " + RUN, args)
+    assert match, args
+    return int(match.group(1))
+
+
+def test_the_tasks_page_shows_dataset_and_outcome_in_chromium(
+    fast: Settings, repo: InspectRepository, tmp_path: Path, faults: Callable[..., None]
+) -> None:
+    # A slow answer keeps the capped dataset's first job (the one its budget lets run)
+    # reserved for a while, so that its other jobs are deferred before they are skipped.
+    faults(added_latency_ms=400)
+    with flower(fast, tmp_path) as fl:
+        assert fl.cmdline_free_of(LOGIN[1])
+        enqueue(fast, tmp_path, {"chat": None, "capped": 1})
+        with product_worker(fast) as (_ctx, node):
+            states = wait_settled(repo, timeout_s=120)
+            assert {k: v for k, v in states.items() if v} == {"done": 7, "skipped_budget": 5}
+            # Events are asynchronous: wait until Flower holds every task in a final state.
+            _wait_for(lambda: _final(fl.tasks(), 12), "every task final in Flower")
+        with chromium() as driver:
+            # Flower wants its login on every request, the page's XHRs included.
+            driver.execute_cdp_cmd("Network.enable", {})
+            driver.execute_cdp_cmd(
+                "Network.setExtraHTTPHeaders", {"headers": {"Authorization": fl.authorization}}
+            )
+            driver.get(f"{fl.url}/tasks")
+            rows = WebDriverWait(driver, 30).until(
+                lambda d: (t := _table(d)) and len(t) >= 12 and t
+            )
+            deferred_pages = []
+            for row in rows:
+                if row["state"] == "SKIPPED":
+                    driver.get(row["link"])
+                    WebDriverWait(driver, 30).until(lambda d: "Arguments" in d.page_source)
+                    body = driver.find_element(By.TAG_NAME, "body")
+                    deferred_pages.append(body.get_attribute("textContent"))
+        log = fl.log.read_text()
+    assert len(rows) == 12, rows
+    done = [r for r in rows if "· dataset chat ·" in r["args"]]
+    assert len(done) == 6
+    for row in done:
+        job_id = job_of(row["args"])
+        generation = repo.generation(job_id)
+        assert generation is not None
+        assert row["state"] == "SUCCESS"
+        assert row["result"] == f"'done · {generation['completion_tokens']:,} tokens'"
+        assert row["worker"] == node
+    capped = [r for r in rows if "· dataset capped ·" in r["args"]]
+    assert sorted(r["state"] for r in capped) == ["SKIPPED"] * 5 + ["SUCCESS"]
+    for row in capped:
+        job = repo.job(job_of(row["args"]))
+        assert job is not None
+        wanted = JobState.SKIPPED_BUDGET if row["state"] == "SKIPPED" else JobState.DONE
+        assert job["state"] == wanted.value
+        if row["state"] == "SKIPPED":
+            assert row["result"] == "skipped_budget"
+    # A deferral is RETRY in Flower with its reason, never a stack trace.
+    assert any("budget deferral" in page for page in deferred_pages), deferred_pages
+    assert not any("most recent call last" in page for page in deferred_pages)
+    assert node == f"{SERVER}.pid{os.getpid()}@{socket.gethostname()}"
+    assert LOGIN[1] not in log  # Flower's own output names no password
+
+
+def _final(tasks: dict[str, dict[str, Any]], count: int) -> bool:
+    states = [t.get("state") for t in tasks.values()]
+    return len(states) == count and set(states) <= {"SUCCESS", "SKIPPED", "FAILURE"}
+
+
+def _wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s} s")
+        time.sleep(0.2)
+    return value
+
+
+def _table(driver: Any) -> list[dict[str, str]]:
+    """Flower's task table as it shows it: per row, each column's text (by the column's
+    slug) and the link of its task page; empty while it still says it is loading."""
+    script = """
+        const table = document.querySelector('#tasks-table');
+        if (!table) { return []; }
+        const slugs = [...table.querySelectorAll('thead th')].map(th => th.dataset.column);
+        return [...table.querySelectorAll('tbody tr')]
+            .filter(tr => tr.cells.length === slugs.length)
+            .map(tr => {
+                const row = {link: tr.querySelector('a[href*="/task/"]')?.href || ''};
+                slugs.forEach((slug, i) => {
+                    row[slug] = slug === 'uuid'
+                        ? tr.cells[i].querySelector('a')?.title || ''
+                        : tr.cells[i].textContent.trim();
+                });
+                return row;
+            });
+    """
+    rows: list[dict[str, str]] = driver.execute_script(script)
+    return rows
+
+
+def test_a_failed_job_is_a_failure_with_its_reason_and_flower_metrics_count_it(
+    fast: Settings, repo: InspectRepository, tmp_path: Path, faults: Callable[..., None]
+) -> None:
+    faults(error_rates={"400": 1.0})
+    with flower(fast, tmp_path) as fl:
+        enqueue(fast, tmp_path, {"chat": None})
+        with product_worker(fast) as (_ctx, node):
+            states = wait_settled(repo, timeout_s=60)
+            assert {k: v for k, v in states.items() if v} == {"failed": 6}
+            tasks = _wait_for(lambda: _final(t := fl.tasks(), 6) and t, "every task final")
+        # Prometheus scrapes Flower's /metrics (Flower serves it without its login).
+        metrics = httpx.get(f"{fl.url}/metrics", timeout=10)
+    assert metrics.status_code == 200
+    failed_events = [
+        line
+        for line in metrics.text.splitlines()
+        if line.startswith("flower_events_total{")
+        and 'type="task-failed"' in line
+        and f'worker="{node}"' in line
+    ]
+    assert [float(line.rsplit(" ", 1)[1]) for line in failed_events] == [6.0], metrics.text
+    for task in tasks.values():
+        job_id = job_of(task["args"])
+        job = repo.job(job_id)
+        assert job is not None and job["state"] == JobState.FAILED.value
+        assert task["state"] == "FAILURE"
+        # The reason in one line, the error class with it, and no stack trace.
+        reason = f"after 1 attempt(s) (http_4xx): {job['last_error']}"
+        assert task["exception"] == f"JobFailed({reason!r})"
+        assert task["traceback"] is None
+        assert task["result"] is None
