@@ -1,12 +1,17 @@
-"""`eaglegen export`: done generations out of Postgres as training-ready token rows.
+"""`eaglegen export`: done generations out of Postgres as token rows or conversations.
 
 Pure logic, tested alone: ``rows`` (prompt + output ids, the loss mask, the cut to a
-maximum length, the filters), ``split`` (the train/val split by a hash of seed and id),
-``tally`` (what was read, exported and removed, per dataset), ``manifest`` (the manifest's
-document and what an incremental export reads back from it). I/O: ``columns`` (rows as
-Arrow batches), ``files`` (atomic writes, checksums), ``writers`` (Parquet, JSON Lines and
-`save_to_disk` shards, each written under a temporary name and renamed when complete),
-``export`` (one export pass, streamed from the repository).
+maximum length, the filters), ``conversations`` (the decoded assistant turn and the
+SpecForge / Model-Optimizer row shapes, over ``core.anatomy``), ``roundtrip`` (re-templated
+ids against the recorded ones, and its per-dataset tally), ``split`` (the train/val split
+by a hash of seed and id), ``tally`` (what was read, exported and removed, per dataset),
+``manifest`` (the manifest's document and what an incremental export reads back from it).
+
+I/O: ``columns`` (rows as Arrow batches), ``files`` (atomic writes, checksums),
+``writers`` (Parquet, JSON Lines and `save_to_disk` shards, each written under a temporary
+name and renamed when complete), ``tokenizer`` (the run's tokenizer: decode, render,
+encode), ``shaping`` (a generation decoded into its conversation line, or judged by
+``--only-valid``), ``export`` (one export pass, streamed from the repository).
 
 Imports ``models`` and ``core`` only (import-linter checks it in ``make lint``).
 """

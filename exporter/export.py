@@ -18,7 +18,9 @@ exported id would grow with the run; a job id watermark would miss jobs recorded
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 
 from exporter.files import write_atomically
 from exporter.manifest import (
+    CONVERSATIONS,
     MANIFEST,
     Options,
     Previous,
@@ -34,11 +37,14 @@ from exporter.manifest import (
     manifest_document,
     read_manifest,
 )
+from exporter.roundtrip import RoundTrips
 from exporter.rows import TokenRow, select_row
+from exporter.shaping import ConversationShaper, ValidityCheck
 from exporter.split import TRAIN, VAL, split_of
 from exporter.tally import Tally
-from exporter.writers import Shard, SplitWriter
-from models.export import ExportScan
+from exporter.tokenizer import RunTokenizer
+from exporter.writers import Row, Shard, SplitWriter
+from models.export import PromptedGeneration
 from models.records import ExportedGeneration, ExportRun
 from models.repository import Repository
 
@@ -56,6 +62,7 @@ class ExportRequest:
     options: Options
     shard_bytes: int
     incremental: bool = False
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if self.shard_bytes < 1:
@@ -69,6 +76,7 @@ class ExportResult:
     shards: list[Shard]
     tally: Tally
     manifest: dict[str, Any]
+    roundtrip: RoundTrips | None = None  # this pass's, for conversations
 
 
 def prepare(repo: Repository, request: ExportRequest) -> tuple[ExportRun, Previous | None, int]:
@@ -92,10 +100,23 @@ def prepare(repo: Repository, request: ExportRequest) -> tuple[ExportRun, Previo
     return run, previous, max(sum(done[d] for d in selected) - already, 0)
 
 
+def needs_tokenizer(options: Options) -> bool:
+    """Whether the export decodes: conversations always, tokens under --only-valid."""
+    return options.format == CONVERSATIONS or options.filters.only_valid
+
+
+def load_tokenizer(run: ExportRun, request: ExportRequest) -> RunTokenizer | None:
+    """The run's tokenizer when the export needs one (a ValueError naming why it cannot)."""
+    if not needs_tokenizer(request.options):
+        return None
+    return RunTokenizer(run, trust_remote_code=request.trust_remote_code)
+
+
 def _previous(request: ExportRequest, run: ExportRun) -> Previous | None:
     out = request.out
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file, not a folder: choose a folder for the export")
+    _check_writable(out)
     previous = read_manifest(out) if out.is_dir() else None
     if previous is None:
         if out.is_dir() and any(out.iterdir()):
@@ -110,14 +131,36 @@ def _previous(request: ExportRequest, run: ExportRun) -> Previous | None:
     return previous
 
 
+def _check_writable(out: Path) -> None:
+    """A ValueError unless the export can create files in ``out`` (or create ``out``)."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{out}: cannot write there ({existing} is not writable)")
+
+
+# One generation of the scan in, its row (or the filter that removed it) out.
+Shape = Callable[[Any], tuple[ExportedGeneration, Row | str]]
+
+
+@dataclass
+class _Scan:
+    started_at: datetime
+    rows: Iterator[Any]
+
+
 def run_export(
     repo: Repository,
     request: ExportRequest,
     run: ExportRun,
     previous: Previous | None,
     progress: Progress | None = None,
+    tokenizer: RunTokenizer | None = None,
 ) -> ExportResult:
     """Export the rows ``previous`` lacks (all, without one) and write the manifest."""
+    if tokenizer is None:
+        tokenizer = load_tokenizer(run, request)
     request.out.mkdir(parents=True, exist_ok=True)
     options = request.options
     writers = {
@@ -125,15 +168,17 @@ def run_export(
         for split in (TRAIN, VAL)
     }
     tally = Tally()
+    trips = RoundTrips() if options.format == CONVERSATIONS else None
+    shape = _shaper(options, tokenizer, trips)
     cursor = None if previous is None else previous.cursor()
     seen = {} if previous is None else dict(previous.seen)
     try:
-        with repo.export_scan(run.id, options.filters.datasets, cursor) as scan:
+        with _scan(repo, run.id, options, cursor, prompted=tokenizer is not None) as scan:
             since = scan.started_at - RESUME_MARGIN
             if previous is not None:
                 since = max(since, previous.since)  # never back: the seen ids would not cover
-            for gen in scan.rows:
-                _export_one(gen, options, writers, tally)
+            for item in scan.rows:
+                gen = _export_one(item, shape, options, writers, tally)
                 if gen.created_at >= since:
                     seen[gen.job_id] = gen.created_at
                 if progress is not None:
@@ -144,46 +189,100 @@ def run_export(
             writer.abort()
         raise
     seen = {i: t for i, t in seen.items() if t >= since}
-    document = _manifest(repo, run, request, previous, tally, shards, since, seen, scan)
+    context = _Context(run, request, previous, tally, shards, since, seen, scan.started_at)
+    document = _manifest(repo, context, trips, tokenizer)
     write_atomically(request.out / MANIFEST, encode(document))
-    return ExportResult(shards, tally, document)
+    return ExportResult(shards, tally, document, trips)
+
+
+@contextmanager
+def _scan(
+    repo: Repository, run_id: int, options: Options, cursor: Any, *, prompted: bool
+) -> Iterator[_Scan]:
+    """The repository's stream: with each job's prompt when the rows are decoded."""
+    datasets = options.filters.datasets
+    if prompted:
+        with repo.prompted_scan(run_id, datasets, cursor) as pscan:
+            yield _Scan(pscan.started_at, pscan.rows)
+    else:
+        with repo.export_scan(run_id, datasets, cursor) as tscan:
+            yield _Scan(tscan.started_at, tscan.rows)
+
+
+def _shaper(options: Options, tokenizer: RunTokenizer | None, trips: RoundTrips | None) -> Shape:
+    if tokenizer is None:
+        return lambda gen: (gen, select_row(gen, options.filters))
+    if trips is not None:
+        return ConversationShaper(options, tokenizer, trips)
+    check = ValidityCheck(tokenizer)
+
+    def tokens(item: PromptedGeneration) -> tuple[ExportedGeneration, Row | str]:
+        gen = item.generation
+        return gen, select_row(gen, options.filters, lambda: check(item))
+
+    return tokens
 
 
 def _export_one(
-    gen: ExportedGeneration, options: Options, writers: dict[str, SplitWriter], tally: Tally
-) -> None:
-    selected = select_row(gen, options.filters)
-    if not isinstance(selected, TokenRow):
+    item: Any, shape: Shape, options: Options, writers: dict[str, SplitWriter], tally: Tally
+) -> ExportedGeneration:
+    gen, selected = shape(item)
+    if isinstance(selected, str):
         tally.removed(gen.dataset, selected)
-        return
+        return gen
     split = split_of(gen.job_id, options.seed, options.val_fraction)
     writers[split].add(selected)
-    tally.exported(gen.dataset, split, cut=selected.cut)
+    cut = selected.cut if isinstance(selected, TokenRow) else _longer(gen, options)
+    tally.exported(gen.dataset, split, cut=cut)
+    return gen
+
+
+def _longer(gen: ExportedGeneration, options: Options) -> bool:
+    """Whether a trainer cutting at --max-len cuts this conversation (it is kept whole)."""
+    max_len = options.filters.max_len
+    total = (len(gen.prompt_packed) + len(gen.output_packed)) // 4
+    return max_len is not None and total > max_len
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What a pass knows at its end, for its manifest."""
+
+    run: ExportRun
+    request: ExportRequest
+    previous: Previous | None
+    tally: Tally
+    shards: list[Shard]
+    since: datetime
+    seen: dict[int, datetime]
+    started_at: datetime
 
 
 def _manifest(
-    repo: Repository,
-    run: ExportRun,
-    request: ExportRequest,
-    previous: Previous | None,
-    tally: Tally,
-    shards: list[Shard],
-    since: datetime,
-    seen: dict[int, datetime],
-    scan: ExportScan,
+    repo: Repository, ctx: _Context, trips: RoundTrips | None, tokenizer: RunTokenizer | None
 ) -> dict[str, Any]:
+    run, request, previous, tally, shards = (
+        ctx.run,
+        ctx.request,
+        ctx.previous,
+        ctx.tally,
+        ctx.shards,
+    )
     wanted = request.options.filters.datasets
     excluded = (
         {}
         if wanted is None
         else {d: n for d, n in repo.done_counts(run.id).items() if d not in wanted}
     )
-    this_pass = {
-        "started_at": scan.started_at.isoformat(),
+    this_pass: dict[str, Any] = {
+        "started_at": ctx.started_at.isoformat(),
         "rows": tally.rows,
         "shards": [s.file for s in shards],
         "counts": tally.document(),
     }
+    if trips is not None:
+        this_pass["roundtrip"] = trips.document()
+        trips = trips if previous is None else previous.roundtrip.merged(trips)
     return manifest_document(
         run=run,
         options=request.options,
@@ -192,6 +291,8 @@ def _manifest(
         excluded=excluded,
         shards=([] if previous is None else previous.shards) + shards,
         passes=([] if previous is None else previous.document["passes"]) + [this_pass],
-        since=since,
-        seen=seen,
+        since=ctx.since,
+        seen=ctx.seen,
+        roundtrip=trips,
+        template_matches_run=None if tokenizer is None else tokenizer.template_matches_run,
     )

@@ -7,6 +7,7 @@ a drafter that never learns to predict the stop token drafts past the end of eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.records import ExportedGeneration
@@ -18,8 +19,10 @@ ID_BYTES = 4  # packed little-endian int32, as stored (models.tokens)
 # filters apply (a row is counted under the first that removes it).
 TRUNCATED = "exclude_truncated"
 SHORT = "min_completion_tokens"
+INVALID = "only_valid"
 NO_LOSS = "max_len"
-REMOVALS = (TRUNCATED, SHORT, NO_LOSS)
+NOT_EXACT = "require_exact"  # conversations only: applied after the round trip
+REMOVALS = (TRUNCATED, SHORT, INVALID, NO_LOSS, NOT_EXACT)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class Filters:
     exclude_truncated: bool = False
     min_completion_tokens: int = 0
     max_len: int | None = None
+    only_valid: bool = False
+    require_exact: bool = False
 
     def __post_init__(self) -> None:
         if self.min_completion_tokens < 0:
@@ -110,15 +115,33 @@ def token_row(gen: ExportedGeneration, max_len: int | None = None) -> TokenRow:
     )
 
 
-def select_row(gen: ExportedGeneration, filters: Filters) -> TokenRow | str:
-    """The row of ``gen``, or the name of the filter that removes it (``REMOVALS``).
+def removal(
+    gen: ExportedGeneration, filters: Filters, valid: Callable[[], bool] | None = None
+) -> str | None:
+    """The name of the first filter that removes ``gen`` before it is shaped, or None.
 
-    ``--datasets`` is applied by the query (those rows are never read).
+    ``valid`` answers whether every invariant held (``core.anatomy.valid``); it is asked only
+    under ``--only-valid``, since answering reads the tokenizer.
     """
     if filters.exclude_truncated and gen.finish_type == "length":
         return TRUNCATED
     if gen.completion_tokens < filters.min_completion_tokens:
         return SHORT
+    if filters.only_valid and valid is not None and not valid():
+        return INVALID
+    return None
+
+
+def select_row(
+    gen: ExportedGeneration, filters: Filters, valid: Callable[[], bool] | None = None
+) -> TokenRow | str:
+    """The row of ``gen``, or the name of the filter that removes it (``REMOVALS``).
+
+    ``--datasets`` is applied by the query (those rows are never read).
+    """
+    removed = removal(gen, filters, valid)
+    if removed is not None:
+        return removed
     row = token_row(gen, filters.max_len)
     if row.loss_tokens == 0:
         return NO_LOSS  # the cut left only prompt: nothing to train on

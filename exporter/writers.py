@@ -35,6 +35,24 @@ _MIN_BATCH_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
+class Line:
+    """A row already encoded as one JSON Lines line (a conversation)."""
+
+    data: bytes
+
+
+Row = TokenRow | Line
+
+
+def _token_rows(rows: Sequence[Row]) -> list[TokenRow]:
+    """``rows`` as token rows: only those have a columnar shape."""
+    tokens = [r for r in rows if isinstance(r, TokenRow)]
+    if len(tokens) != len(rows):
+        raise TypeError("only token rows are written as Parquet or Arrow")
+    return tokens
+
+
+@dataclass(frozen=True)
 class Shard:
     """A complete shard, as the manifest lists it."""
 
@@ -56,7 +74,7 @@ class Shard:
 
 
 class _Sink(Protocol):
-    def write(self, rows: Sequence[TokenRow]) -> None: ...
+    def write(self, rows: Sequence[Row]) -> None: ...
     def size(self) -> int: ...
     def close(self) -> None: ...
     def discard(self) -> None: ...
@@ -69,8 +87,8 @@ class _ParquetSink:
         self._file = pa.OSFile(str(tmp), "wb")
         self._writer = pq.ParquetWriter(self._file, SCHEMA, compression="zstd")
 
-    def write(self, rows: Sequence[TokenRow]) -> None:
-        self._writer.write_batch(record_batch(rows), row_group_size=len(rows))
+    def write(self, rows: Sequence[Row]) -> None:
+        self._writer.write_batch(record_batch(_token_rows(rows)), row_group_size=len(rows))
 
     def size(self) -> int:
         return int(self._file.tell())
@@ -89,8 +107,8 @@ class _JsonlSink:
     def __init__(self, tmp: Path) -> None:
         self._handle = tmp.open("wb")
 
-    def write(self, rows: Sequence[TokenRow]) -> None:
-        self._handle.write(b"".join(jsonl_line(r) for r in rows))
+    def write(self, rows: Sequence[Row]) -> None:
+        self._handle.write(b"".join(r.data if isinstance(r, Line) else jsonl_line(r) for r in rows))
 
     def size(self) -> int:
         return self._handle.tell()
@@ -112,8 +130,8 @@ class _ArrowDirSink:
         self._file = pa.OSFile(str(self._stream_path), "wb")
         self._writer = pa.ipc.new_stream(self._file, SCHEMA)
 
-    def write(self, rows: Sequence[TokenRow]) -> None:
-        self._writer.write_batch(record_batch(rows))
+    def write(self, rows: Sequence[Row]) -> None:
+        self._writer.write_batch(record_batch(_token_rows(rows)))
 
     def size(self) -> int:
         return int(self._file.tell())
@@ -174,7 +192,7 @@ class SplitWriter:
         self.batch_bytes = max(min(BATCH_BYTES, shard_bytes // 4), _MIN_BATCH_BYTES)
         self.shards: list[Shard] = []
         self._index = next_index(out, split)
-        self._buffer: list[TokenRow] = []
+        self._buffer: list[Row] = []
         self._buffered = 0
         self._sink: _Sink | None = None
         self._rows = 0
@@ -182,10 +200,13 @@ class SplitWriter:
     def _final(self) -> Path:
         return self.out / f"{self.split}-{self._index:05d}{SUFFIXES[self.kind]}"
 
-    def add(self, row: TokenRow) -> None:
+    def add(self, row: Row) -> None:
         """Buffer ``row``; write the buffer when it is full, end the shard at its size."""
         self._buffer.append(row)
-        self._buffered += len(row.input_ids) * 5 // 4 + 64  # ids, mask and the rest
+        if isinstance(row, Line):
+            self._buffered += len(row.data)
+        else:
+            self._buffered += len(row.input_ids) * 5 // 4 + 64  # ids, mask and the rest
         if self._buffered >= self.batch_bytes:
             self._flush()
             assert self._sink is not None

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -30,6 +30,7 @@ from models.states import JobState
 # 128 KB packed, so 256 rows stay within tens of MB whatever the row length, and short rows
 # still cross in few round trips.
 _YIELD_ROWS = 256
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,24 @@ class ExportScan:
 
     started_at: datetime
     rows: Iterator[ExportedGeneration]
+
+
+@dataclass(frozen=True)
+class PromptedGeneration:
+    """A generation with what its job stores of the prompt: the source ``messages`` document
+    (``{"messages": [...], "tools": [...] | null}``) and whether it opened reasoning."""
+
+    generation: ExportedGeneration
+    messages: Any
+    opens_reasoning: bool
+
+
+@dataclass(frozen=True)
+class PromptedScan:
+    """As :class:`ExportScan`, each generation with its prompt (``--format conversations``)."""
+
+    started_at: datetime
+    rows: Iterator[PromptedGeneration]
 
 
 class ExportQueries:
@@ -94,6 +113,25 @@ class ExportQueries:
         """Stream the run's done generations (of ``datasets`` only, when given; after
         ``cursor``, when given) through a server-side cursor: memory stays constant."""
         stmt = _generations(run_id, datasets, cursor)
+        with self._stream(stmt, _record) as (started_at, rows):
+            yield ExportScan(started_at, rows)
+
+    @contextmanager
+    def prompted_scan(
+        self,
+        run_id: int,
+        datasets: Sequence[str] | None = None,
+        cursor: ExportCursor | None = None,
+    ) -> Iterator[PromptedScan]:
+        """As :meth:`export_scan`, each generation with its job's stored prompt."""
+        stmt = _generations(run_id, datasets, cursor).add_columns(Job.messages, Job.opens_reasoning)
+        with self._stream(stmt, _prompted) as (started_at, rows):
+            yield PromptedScan(started_at, rows)
+
+    @contextmanager
+    def _stream(
+        self, stmt: Select[*tuple[Any, ...]], record: Callable[[Any], _T]
+    ) -> Iterator[tuple[datetime, Iterator[_T]]]:
         with self.engine.connect() as conn:
             started_at = conn.scalar(select(func.now()))
             assert started_at is not None, "now() always answers"
@@ -101,7 +139,7 @@ class ExportQueries:
                 stmt, execution_options={"stream_results": True, "yield_per": _YIELD_ROWS}
             )
             try:
-                yield ExportScan(started_at, (_record(row) for row in result))
+                yield started_at, (record(row) for row in result)
             finally:
                 result.close()
 
@@ -161,3 +199,7 @@ def _record(row: Any) -> ExportedGeneration:
         answer_tokens=row.answer_tokens,
         created_at=row.created_at,
     )
+
+
+def _prompted(row: Any) -> PromptedGeneration:
+    return PromptedGeneration(_record(row), row.messages, bool(row.opens_reasoning))

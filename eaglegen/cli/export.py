@@ -1,4 +1,4 @@
-"""`eaglegen export`: a run's done generations as training-ready token rows."""
+"""`eaglegen export`: a run's done generations as training-ready token rows or conversations."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from eaglegen.report.text import inline
 if TYPE_CHECKING:
     from exporter.export import ExportRequest, ExportResult
     from exporter.manifest import Previous
+    from exporter.tokenizer import RunTokenizer
     from models.records import ExportRun
     from models.repository import Repository
 
@@ -36,6 +37,14 @@ class ExportFormat(StrEnum):
     """What a row holds (`tokens`: the exact ids with their loss mask)."""
 
     tokens = "tokens"
+    conversations = "conversations"
+
+
+class Style(StrEnum):
+    """The shape of a conversation row."""
+
+    specforge = "specforge"
+    modelopt = "modelopt"
 
 
 @command(app)
@@ -54,8 +63,32 @@ def export(
     datasets: Annotated[
         str | None, typer.Option(help="Only these datasets (comma-separated)")
     ] = None,
+    style: Annotated[
+        Style,
+        typer.Option(help="Conversation rows: SpecForge `conversations` or Model-Optimizer"),
+    ] = Style.specforge,
     exclude_truncated: Annotated[
-        bool, typer.Option(help="Leave out generations cut at max_new_tokens")
+        bool | None,
+        typer.Option(
+            "--exclude-truncated/--include-truncated",
+            help="Leave out generations cut at max_new_tokens "
+            "[default: on for conversations, off for tokens]",
+            show_default=False,
+        ),
+    ] = None,
+    only_valid: Annotated[
+        bool,
+        typer.Option(
+            help="Only generations whose invariants held: think-end present where the prompt "
+            "opened reasoning, tool-call sections balanced, call arguments JSON"
+        ),
+    ] = False,
+    require_exact: Annotated[
+        bool,
+        typer.Option(help="Conversations: drop rows whose round trip is not the recorded ids"),
+    ] = False,
+    trust_remote_code: Annotated[
+        bool, typer.Option(help="Let the run's tokenizer run its own Python code to load")
     ] = False,
     min_completion_tokens: Annotated[
         int, typer.Option(help="Leave out generations with fewer tokens")
@@ -76,21 +109,32 @@ def export(
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Write the run's done generations as shards (Parquet by default) and a manifest."""
-    from exporter.export import ExportRequest, prepare
+    """Write the run's done generations as shards (Parquet by default; conversations as JSON
+    Lines) and a manifest."""
+    from exporter.export import ExportRequest, load_tokenizer, prepare
     from exporter.manifest import Options
     from exporter.rows import Filters
     from exporter.split import check_fraction
-    from exporter.writers import HF_DATASET, JSONL, PARQUET
 
-    if jsonl and hf_dataset:
-        raise ValueError("--jsonl and --hf-dataset exclude each other: pick one writer")
+    conversations = format_ == ExportFormat.conversations
+    if require_exact and not conversations:
+        raise ValueError("--require-exact checks conversations: add --format conversations")
     wanted = None if datasets is None else _dataset_names(datasets)
+    filters = Filters(
+        wanted,
+        conversations if exclude_truncated is None else exclude_truncated,
+        min_completion_tokens,
+        max_len,
+        only_valid=only_valid,
+        require_exact=require_exact,
+    )
     options = Options(
-        writer=JSONL if jsonl else HF_DATASET if hf_dataset else PARQUET,
-        filters=Filters(wanted, exclude_truncated, min_completion_tokens, max_len),
+        writer=_writer(jsonl, hf_dataset, conversations=conversations),
+        filters=filters,
         val_fraction=check_fraction(val_fraction),
         seed=seed,
+        format=format_.value,
+        style=style.value if conversations else None,
     )
     request = ExportRequest(
         run=check_name("run", run),
@@ -98,12 +142,35 @@ def export(
         options=options,
         shard_bytes=int(shard_mb * 1e6),
         incremental=incremental,
+        trust_remote_code=trust_remote_code,
     )
     settings = load_settings(database_url=database_url, data_dir=data_dir)
     with _export_repository(database(settings)) as repo:
         found, previous, total = prepare(repo, request)
-        result = _run(repo, request, found, previous, total, quiet=json_out)
+        tokenizer = load_tokenizer(found, request)
+        if tokenizer is not None and not tokenizer.template_matches_run and not json_out:
+            err.print(
+                f"warning: the chat template at {inline(found.tokenizer_path)} is not the one "
+                "the run recorded (its sha256 differs): the round trip compares with it",
+                highlight=False,
+            )
+        result = _run(repo, request, found, previous, total, tokenizer, quiet=json_out)
     _report(result, request, json_out)
+
+
+def _writer(jsonl: bool, hf_dataset: bool, *, conversations: bool) -> str:
+    from exporter.writers import HF_DATASET, JSONL, PARQUET
+
+    if jsonl and hf_dataset:
+        raise ValueError("--jsonl and --hf-dataset exclude each other: pick one writer")
+    if conversations:
+        if hf_dataset:
+            raise ValueError(
+                "conversations are written as JSON Lines (their tools and arguments have no "
+                "one columnar type): drop --hf-dataset"
+            )
+        return JSONL
+    return JSONL if jsonl else HF_DATASET if hf_dataset else PARQUET
 
 
 def _dataset_names(value: str) -> tuple[str, ...]:
@@ -134,6 +201,7 @@ def _run(
     run: ExportRun,
     previous: Previous | None,
     total: int,
+    tokenizer: RunTokenizer | None,
     *,
     quiet: bool,
 ) -> ExportResult:
@@ -151,7 +219,9 @@ def _run(
     )
     with Progress(*columns, console=Console(stderr=True), transient=True, disable=quiet) as bar:
         task = bar.add_task(f"export {inline(run.name)}", total=total or None)
-        return run_export(repo, request, run, previous, lambda n: bar.advance(task, n))
+        return run_export(
+            repo, request, run, previous, lambda n: bar.advance(task, n), tokenizer=tokenizer
+        )
 
 
 def _report(result: ExportResult, request: ExportRequest, json_out: bool) -> None:
@@ -164,6 +234,7 @@ def _report(result: ExportResult, request: ExportRequest, json_out: bool) -> Non
                 "new_shards": [s.document() for s in result.shards],
                 "counts": result.tally.document(),
                 "total_rows": result.manifest["rows"],
+                "roundtrip": None if result.roundtrip is None else result.roundtrip.document(),
             }
         )
         return
@@ -178,3 +249,27 @@ def _report(result: ExportResult, request: ExportRequest, json_out: bool) -> Non
         f"manifest {inline(str(request.out / 'manifest.json'))}",
         highlight=False,
     )
+    if result.roundtrip is not None:
+        _report_round_trips(result)
+
+
+def _report_round_trips(result: ExportResult) -> None:
+    """Per dataset: how many rows re-templated to the recorded ids, and the first
+    difference of one that did not."""
+    assert result.roundtrip is not None
+    for name, trips in sorted(result.roundtrip.datasets.items()):
+        line = f"round trip {inline(name)}: {trips.exact}/{trips.checked} exact"
+        if trips.checked > trips.exact:
+            line += (
+                f" ({trips.text_equal} same text with other ids; differs in prompt "
+                f"{trips.differs_in.get('prompt', 0)}, output {trips.differs_in.get('output', 0)}"
+                f"; template errors {trips.template_errors})"
+            )
+        err.print(line, highlight=False, soft_wrap=True)
+        if trips.examples:
+            ex = trips.examples[0]
+            where = ex["error"] or (
+                f"at id {ex['position']} ({ex['part']}): recorded {ex['recorded']!r}, "
+                f"re-templated {ex['rendered']!r}"
+            )
+            err.print(f"  e.g. row {ex['id']} {inline(where)}", highlight=False, soft_wrap=True)

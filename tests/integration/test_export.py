@@ -20,7 +20,7 @@ from core.settings import Settings
 from exporter.export import ExportRequest, ExportResult, prepare, run_export
 from exporter.files import TMP_PREFIX, sha256_of
 from exporter.manifest import MANIFEST, Options
-from exporter.rows import NO_LOSS, SHORT, TRUNCATED, Filters
+from exporter.rows import INVALID, NO_LOSS, NOT_EXACT, SHORT, TRUNCATED, Filters
 from exporter.writers import HF_DATASET, JSONL, PARQUET
 from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
 from models.repository import Repository
@@ -174,7 +174,13 @@ def test_filters_remove_rows_and_the_manifest_counts_what_each_removed(
     filters = Filters(("a",), exclude_truncated=True, min_completion_tokens=3, max_len=8)
     manifest = export(repo, tmp_path / "out", filters=filters).manifest
     counts = manifest["counts"]
-    assert counts["a"]["removed"] == {TRUNCATED: 1, SHORT: 1, NO_LOSS: 1}
+    assert counts["a"]["removed"] == {
+        TRUNCATED: 1,
+        SHORT: 1,
+        INVALID: 0,
+        NO_LOSS: 1,
+        NOT_EXACT: 0,
+    }
     assert (counts["a"]["read"], counts["a"]["exported"], counts["a"]["cut_to_max_len"]) == (
         5,
         2,

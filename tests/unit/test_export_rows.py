@@ -10,7 +10,17 @@ import pytest
 
 from exporter.columns import jsonl_line, record_batch
 from exporter.manifest import Options, Previous, check_extends
-from exporter.rows import NO_LOSS, SHORT, TRUNCATED, Filters, TokenRow, select_row, token_row
+from exporter.rows import (
+    INVALID,
+    NO_LOSS,
+    NOT_EXACT,
+    SHORT,
+    TRUNCATED,
+    Filters,
+    TokenRow,
+    select_row,
+    token_row,
+)
 from exporter.split import TRAIN, VAL, check_fraction, split_of
 from exporter.tally import Tally
 from models.records import ExportedGeneration, ExportRun
@@ -129,7 +139,7 @@ def test_the_tally_counts_per_dataset_and_survives_the_manifest() -> None:
         "read": 3,
         "exported": 2,
         "splits": {TRAIN: 1, VAL: 1},
-        "removed": {TRUNCATED: 1, SHORT: 0, NO_LOSS: 0},
+        "removed": {TRUNCATED: 1, SHORT: 0, INVALID: 0, NO_LOSS: 0, NOT_EXACT: 0},
         "cut_to_max_len": 1,
     }
     assert doc["c"]["removed"] == {"datasets": 5}
@@ -157,3 +167,18 @@ def test_an_incremental_export_refuses_other_options_naming_the_flag() -> None:
         check_extends(previous, run, Options("parquet"))
     with pytest.raises(ValueError, match="not of 'other'"):
         check_extends(previous, ExportRun(1, "other", "m", "/t", "a", "b", {}, None, {}), first)
+
+
+def test_only_valid_asks_validity_after_the_cheap_filters() -> None:
+    asked: list[int] = []
+
+    def invalid() -> bool:
+        asked.append(1)
+        return False
+
+    only_valid = Filters(exclude_truncated=True, only_valid=True)
+    truncated = generation(finish="length")
+    assert select_row(truncated, only_valid, invalid) == TRUNCATED and not asked
+    assert select_row(generation(), only_valid, invalid) == INVALID and asked == [1]
+    assert isinstance(select_row(generation(), only_valid, lambda: True), TokenRow)
+    assert isinstance(select_row(generation(), Filters(), invalid), TokenRow)

@@ -1,0 +1,104 @@
+"""Generations decoded with the run's tokenizer: conversation rows and the validity filter.
+
+The thin I/O-bound step between the scan and the writers: each generation's ids are
+unpacked, cut into their parts (``core.anatomy``), decoded, filtered, re-templated for the
+round trip (``exporter.roundtrip``) and encoded as one JSON Lines line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from core.anatomy import dissect, parse_calls, valid
+from exporter.conversations import Prompt, Turn, conversation, decode_turn, document
+from exporter.manifest import Options
+from exporter.roundtrip import Check, RoundTrips, check, failed
+from exporter.rows import NO_LOSS, NOT_EXACT, removal
+from exporter.tokenizer import RunTokenizer
+from exporter.writers import Line, Row
+from models.export import PromptedGeneration
+from models.records import ExportedGeneration
+from models.tokens import unpack
+
+
+class ValidityCheck:
+    """``--only-valid`` for token rows: whether every invariant of a generation held."""
+
+    def __init__(self, tokenizer: RunTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __call__(self, item: PromptedGeneration) -> bool:
+        anatomy = dissect(
+            unpack(item.generation.output_packed),
+            self._tokenizer.markers,
+            opens_reasoning=item.opens_reasoning,
+        )
+        declared = Prompt.of(item.messages).declared()
+        return valid(anatomy, parse_calls(anatomy, self._tokenizer.decode, declared))
+
+
+class ConversationShaper:
+    """``--format conversations``: one generation in, its line (or its removal) out."""
+
+    def __init__(self, options: Options, tokenizer: RunTokenizer, trips: RoundTrips) -> None:
+        assert options.style is not None, "conversations have a style"
+        self._options = options
+        self._style = options.style
+        self._tokenizer = tokenizer
+        self._trips = trips
+
+    def __call__(self, item: PromptedGeneration) -> tuple[ExportedGeneration, Row | str]:
+        gen = item.generation
+        filters = self._options.filters
+        prompt = Prompt.of(item.messages)
+        output = unpack(gen.output_packed)
+        _, turn = decode_turn(
+            output,
+            self._tokenizer.markers,
+            self._tokenizer.decode,
+            opens_reasoning=item.opens_reasoning,
+            declared=prompt.declared(),
+        )
+        removed = removal(gen, filters, lambda: turn.valid)
+        if removed is not None:
+            return gen, removed
+        prompt_ids = unpack(gen.prompt_packed)
+        if filters.max_len is not None and len(prompt_ids) >= filters.max_len:
+            return gen, NO_LOSS  # a trainer's cut would leave only prompt
+        result = self._round_trip(prompt, turn, prompt_ids + output, len(prompt_ids))
+        self._trips.add(gen.dataset, gen.job_id, result)
+        if filters.require_exact and not result.exact:
+            return gen, NOT_EXACT
+        metadata = _metadata(gen, len(prompt_ids), turn, result)
+        doc = document(self._style, str(gen.job_id), prompt, turn, metadata)
+        return gen, Line(orjson.dumps(doc, option=orjson.OPT_APPEND_NEWLINE))
+
+    def _round_trip(
+        self, prompt: Prompt, turn: Turn, recorded: list[int], prompt_len: int
+    ) -> Check:
+        tok = self._tokenizer
+        try:
+            text = tok.render(conversation(prompt, turn), prompt.tools)
+        except Exception as exc:  # jinja raises many types; any of them fails the round trip
+            return failed(exc)
+        return check(recorded, prompt_len, text, tok.encode, tok.decode)
+
+
+def _metadata(
+    gen: ExportedGeneration, prompt_len: int, turn: Turn, result: Check
+) -> dict[str, Any]:
+    return {
+        "dataset": gen.dataset,
+        "row_index": gen.row_index,
+        "job_id": gen.job_id,
+        "finish_reason": gen.finish_type,
+        "prompt_len": prompt_len,
+        "completion_tokens": gen.completion_tokens,
+        "think_end_present": gen.think_end_present,
+        "tool_calls": len(turn.calls),
+        "valid": turn.valid,
+        "roundtrip_exact": result.exact,
+        "roundtrip_position": result.position,
+    }
