@@ -15,6 +15,7 @@ from eaglegen.cli import (
     maintenance,
     sim,
     stack,
+    stats,
     status,
     worker,
 )
@@ -24,7 +25,7 @@ app = typer.Typer(
     add_completion=False,
     help="Regenerate EAGLE-3 training data with the target model's exact tokens.",
 )
-for module in (enqueue, worker, status, stack, sim, maintenance, export, flower):
+for module in (enqueue, worker, status, stack, sim, maintenance, export, stats, flower):
     app.add_typer(module.app)  # no name: its commands are top-level ones
 app.add_typer(db.app, name="db")
 app.add_typer(budget.app, name="budget")
