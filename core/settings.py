@@ -86,8 +86,10 @@ class Settings(BaseSettings):
     # request_timeout_s.
     stall_timeout_s: float = Field(default=300.0, gt=0)
     # Ask for streamed answers, so that a request that stops making progress fails after
-    # stall_timeout_s of silence (README, "Streaming": launch SGLang with --stream-output).
-    stream: bool = False
+    # stall_timeout_s of silence. None: from servers whose /get_server_info says they stream
+    # incrementally (each chunk only its new ids: linear cost; SGLang's default repeats every
+    # id so far in each chunk). README, "Streaming".
+    stream: bool | None = None
     # A /generate body larger than this fails the attempt unread: far above any legal
     # answer (the ids and text of a whole context window).
     max_response_bytes: int = Field(default=64 << 20, ge=1 << 16)

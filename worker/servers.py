@@ -161,7 +161,34 @@ def identify(server: Server, timeout_s: float) -> str | None:
             served.tokenizer_path or "not said",
         )
     server.served = served
+    _choose_streaming(server, timeout_s)
     return None
+
+
+def _choose_streaming(server: Server, timeout_s: float) -> None:
+    """Stream from a server that streams incrementally, when the settings leave it open
+    (EAGLEGEN_STREAM unset); a server that does not say keeps whole answers."""
+    if server.client.stream_choice is not None:
+        return
+    try:
+        response = server.client.get("/get_server_info", timeout_s)
+        response.raise_for_status()
+        info = response.json()
+    except (httpx.HTTPError, ValueError):
+        return
+    # The server argument's name since SGLang 0.4.x, and its older one.
+    incremental = isinstance(info, dict) and any(
+        info.get(key) is True for key in ("incremental_streaming_output", "stream_output")
+    )
+    if server.client.adopt_streaming(incremental):
+        log.warning(
+            "server %s streams %s: answers %s",
+            server.name,
+            "incrementally" if incremental else "cumulatively",
+            "streamed (a stalled request fails after EAGLEGEN_STALL_TIMEOUT_S)"
+            if incremental
+            else "whole",
+        )
 
 
 def probe(server: Server, timeout_s: float) -> str | None:

@@ -38,16 +38,14 @@ class SGLangClient:
         timeout_s: float,
         max_response_bytes: int = 64 << 20,
         stall_timeout_s: float = 300.0,
-        stream: bool = False,
+        stream: bool | None = False,
     ) -> None:
         self.server = server
         self._timeout = httpx.Timeout(timeout_s, connect=10.0)
-        self._stream = stream
-        # A streamed answer shows progress, so silence longer than a stall is one; a whole
-        # answer comes only at the end of its generation, after up to request_timeout_s.
-        self._request_timeout = (
-            httpx.Timeout(stall_timeout_s, connect=10.0) if stream else self._timeout
-        )
+        self._stall_timeout = httpx.Timeout(stall_timeout_s, connect=10.0)
+        # None: decided by `adopt_streaming` once the server said how it streams.
+        self.stream_choice = stream
+        self._stream = bool(stream)
         self._max_bytes = max_response_bytes
         self._stall_s = stall_timeout_s
         # One context for every thread's client (each would load the CA bundle otherwise).
@@ -60,6 +58,19 @@ class SGLangClient:
         self._probe = httpx.Client(
             base_url=server.url, timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_connections=2)
         )
+
+    @property
+    def streaming(self) -> bool:
+        """Whether answers are asked for streamed."""
+        return self._stream
+
+    def adopt_streaming(self, incremental: bool) -> bool:
+        """With the choice left to the server (``stream`` None): stream when it streams
+        incrementally; whether that changed anything."""
+        if self.stream_choice is not None or self._stream == incremental:
+            return False
+        self._stream = incremental
+        return True
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str) -> Any:
         """POST /generate; raise AttemptError (retryable or not) on any failure."""
@@ -75,11 +86,15 @@ class SGLangClient:
             "sampling_params": sampling_params,
             "rid": rid,
         }
-        if self._stream:
+        streamed = self._stream
+        if streamed:
             payload["stream"] = True
+        # A streamed answer shows progress, so silence longer than a stall is one; a whole
+        # answer comes only at the end of its generation, after up to request_timeout_s.
+        timeout = self._stall_timeout if streamed else self._timeout
         try:
             with self._thread_client().stream(
-                "POST", "/generate", json=payload, timeout=self._request_timeout
+                "POST", "/generate", json=payload, timeout=timeout
             ) as response:
                 if response.status_code != 200:
                     raise AttemptError(
@@ -88,7 +103,7 @@ class SGLangClient:
                         retryable=classify_status(response.status_code),
                         kind=status_kind(response.status_code),
                     )
-                if self._stream:
+                if streamed:
                     return self._streamed(response)
                 raw = self._body(response)
         except httpx.TransportError as exc:

@@ -30,6 +30,11 @@ args=(
   --enable-hierarchical-cache --hicache-size "$HICACHE_SIZE"
   # /metrics: eaglegen doctor checks it, the concurrency controller reads it.
   --enable-metrics
+  # Each streamed chunk carries only its new ids (SGLang's default repeats all so far): a
+  # worker then streams by default, so a request that stops making progress fails after
+  # EAGLEGEN_STALL_TIMEOUT_S instead of the hour-long request timeout. A chunk every 16
+  # tokens keeps the per-chunk cost small.
+  --incremental-streaming-output --stream-interval "${STREAM_INTERVAL:-16}"
   # No --reasoning-parser and no --tool-call-parser: they strip the think and tool-call
   # tokens from output_ids, and the training data must be the exact tokens.
 )

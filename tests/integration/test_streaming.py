@@ -85,3 +85,30 @@ def test_a_stream_that_stalls_fails_its_attempt_after_the_stall_timeout(
         assert "timed out" in job["last_error"] or "no streamed chunk" in job["last_error"]
         assert repo.generation(job_id) is None
     assert elapsed < 30  # two attempts of ~2 s each, not 600 s
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_by_default_workers_stream_from_a_server_that_streams_incrementally(
+    settings: Settings, repo: Repository, tmp_path: Path, incremental: bool
+) -> None:
+    # Every streamed request stalls after its first chunk: only a worker that streams sees
+    # it (and fails the attempts after the stall timeout); one taking whole answers does not.
+    stalling = replace(
+        FAST,
+        incremental_streaming_output=incremental,
+        faults=FaultConfig(stall_rate=1.0, stall_after_chunks=1),
+    )
+    with SimServer(stalling) as sim:
+        auto = settings.model_copy(
+            update={
+                "servers": [ServerSpec(name="sim", url=sim.url)],
+                "stall_timeout_s": 2.0,
+                "max_attempts": 1,
+            }
+        )
+        assert auto.stream is None
+        with worker(auto):
+            enqueue_file(auto, write_jsonl(tmp_path / "d.jsonl", sample_rows(3)))
+            states = wait_settled(repo, timeout_s=60)
+    expected = JobState.FAILED if incremental else JobState.DONE
+    assert states[expected.value] == 3, states
