@@ -9,6 +9,7 @@ import typer
 from eaglegen.cli import (
     budget,
     db,
+    doctor,
     enqueue,
     export,
     flower,
@@ -25,7 +26,7 @@ app = typer.Typer(
     add_completion=False,
     help="Regenerate EAGLE-3 training data with the target model's exact tokens.",
 )
-for module in (enqueue, worker, status, stack, sim, maintenance, export, stats, flower):
+for module in (enqueue, worker, status, stack, sim, maintenance, export, stats, flower, doctor):
     app.add_typer(module.app)  # no name: its commands are top-level ones
 app.add_typer(db.app, name="db")
 app.add_typer(budget.app, name="budget")

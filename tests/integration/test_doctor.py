@@ -1,0 +1,89 @@
+"""`eaglegen doctor` against real simulators: it passes a good server and names what is
+wrong with one that leaks prompt tokens, strips the think-end token or serves another model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.sim import FaultConfig, SimConfig, SimServer
+from tests.e2e.test_cli import eaglegen
+
+# The bundled template opens a reasoning block, so the probe must come back with </think>.
+GOOD = SimConfig(seed=3, decode_step_ms=0.2, decode_ms_per_request=0.01)
+
+
+def run_file(folder: Path, model: str = GOOD.model_path) -> Path:
+    path = folder / "run.toml"
+    path.write_text(
+        f'run = "r"\ntokenizer = "{TOKENIZER_DIR}"\nmodel = "{model}"\n'
+        '[[datasets]]\nname = "d"\npath = "d.jsonl"\n'
+    )
+    return path
+
+
+def doctor(sim: SimServer, *args: str) -> tuple[int, dict[str, Any]]:
+    done = eaglegen("doctor", "--server", sim.url, *args, "--json")
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, json.loads(done.stdout)
+
+
+def verdicts(document: dict[str, Any]) -> dict[str, bool | None]:
+    return {c["check"]: c["ok"] for c in document["checks"]}
+
+
+def test_a_good_server_passes_and_its_limits_are_reported(tmp_path: Path) -> None:
+    with SimServer(GOOD) as sim:
+        code, document = doctor(sim, str(run_file(tmp_path)))
+    assert code == 0 and document["healthy"], document
+    assert verdicts(document) == {
+        "reachable": True, "model": True, "generate": True, "completion count": True,
+        "response contract": True, "special tokens": True, "metrics": True,
+    }  # fmt: skip
+    server = document["server"]
+    assert server["max_total_num_tokens"] == GOOD.kv_tokens
+    assert server["max_running_requests"] == GOOD.max_running_requests
+    assert server["context_length"] == GOOD.context_length
+
+
+@pytest.mark.parametrize(
+    ("faults", "failing", "says"),
+    [
+        (FaultConfig(leak_prompt_tokens=8), "no prompt in output", "prompt's last 8 tokens"),
+        (FaultConfig(strip_special_tokens=True), "special tokens", "strips special tokens"),
+    ],
+)
+def test_a_server_that_changes_the_tokens_fails_with_the_reason(
+    tmp_path: Path, faults: FaultConfig, failing: str, says: str
+) -> None:
+    with SimServer(replace(GOOD, faults=faults)) as sim:
+        code, document = doctor(sim, str(run_file(tmp_path)))
+    assert code == 1 and not document["healthy"]
+    [check] = [c for c in document["checks"] if c["check"] == failing]
+    assert check["ok"] is False and says in check["detail"], check
+
+
+def test_a_server_of_another_model_fails_the_model_check(tmp_path: Path) -> None:
+    with SimServer(replace(GOOD, model_path="other/model")) as sim:
+        code, document = doctor(sim, str(run_file(tmp_path)))
+    assert code == 1 and verdicts(document)["model"] is False
+
+
+def test_without_a_run_file_the_generic_checks_run(tmp_path: Path) -> None:
+    with SimServer(GOOD) as sim:
+        code, document = doctor(sim)
+        text = eaglegen("doctor", "--server", sim.url)
+    assert code == 0 and verdicts(document)["model"] is None  # nothing to compare with
+    assert "special tokens" not in verdicts(document)
+    assert text.returncode == 0 and "ok   completion count" in text.stdout
+
+
+def test_an_unreachable_server_is_one_failed_line(tmp_path: Path) -> None:
+    done = eaglegen("doctor", "--server", "http://127.0.0.1:9")
+    assert done.returncode == 1
+    assert "FAIL reachable" in done.stdout and "Traceback" not in done.stderr
