@@ -1,22 +1,21 @@
 """The run's tokenizer, for decoding output ids and re-applying the chat template.
 
-Loaded with transformers from the path the run recorded (``runs.tokenizer_path``), from local
-files only: an export reads what the run generated with, it never downloads. The producer
-has its own loader (``producer.template``), which the exporter may not import (the layers in
-pyproject.toml); the two must agree on how a rendered text becomes ids (the Rust tokenizer,
-no special tokens added), or a round trip would differ where the data does not.
+Loaded from the path the run recorded (``runs.tokenizer_path``) by ``core.tokenizer``, as the
+producer loads it. The producer's templating (``producer.template``) is not importable here
+(the layers in pyproject.toml); the two must agree on how a rendered text becomes ids (the
+Rust tokenizer, no special tokens added), or a round trip would differ where the data does
+not.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from core.anatomy import Markers, markers_from_vocab
+from core.tokenizer import exact_decoder, load_tokenizer
 from models.records import ExportRun
 
 
@@ -30,7 +29,9 @@ class RunTokenizer:
                 f"run {run.name!r}: its tokenizer {path} is not a folder on this machine "
                 "(the export decodes with the run's own tokenizer)"
             )
-        self.tokenizer = _load(path, trust_remote_code)
+        self.tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"{path}: the tokenizer has no chat template")
         self.path = path
         self.template_kwargs = dict(run.chat_template_kwargs)
         self.template_matches_run = self.chat_template_sha256() == run.chat_template_sha256
@@ -38,18 +39,7 @@ class RunTokenizer:
             self.tokenizer.get_vocab(), stops=self._stop_ids()
         )
         self._backend: Any = getattr(self.tokenizer, "backend_tokenizer", None)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of ``ids`` exactly: special tokens kept, no clean-up of spaces."""
-        if self._backend is not None:
-            # What transformers' decode calls, without its per-id type checks (which cost
-            # as much as the decoding).
-            return str(self._backend.decode(list(ids), skip_special_tokens=False))
-        return str(
-            self.tokenizer.decode(
-                list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
-        )
+        self.decode = exact_decoder(self.tokenizer)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         """The conversation as the run's template writes it (no generation prompt: the last
@@ -87,26 +77,3 @@ class RunTokenizer:
                 int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos])
             ]
         return stops
-
-
-def _load(path: Path, trust_remote_code: bool) -> Any:
-    # "PyTorch was not found" is advice for model users; only the tokenizer is needed.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers import AutoTokenizer  # heavy: imported only when an export decodes
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(path), trust_remote_code=trust_remote_code, local_files_only=True
-        )
-    except ValueError as exc:
-        if trust_remote_code or "trust_remote_code" not in str(exc):
-            raise ValueError(f"{path}: the tokenizer does not load ({exc})") from exc
-        raise ValueError(
-            f"{path}: this tokenizer loads with its own Python code (its tokenization_*.py); "
-            "if you trust it, pass --trust-remote-code"
-        ) from exc
-    except OSError as exc:
-        raise ValueError(f"{path}: the tokenizer does not load ({exc})") from exc
-    if not tokenizer.chat_template:
-        raise ValueError(f"{path}: the tokenizer has no chat template")
-    return tokenizer

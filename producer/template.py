@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import ChainMap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from core.tokenizer import load_tokenizer
 from producer.rows import Prompt, RowError
 
 # The reasoning markers of Kimi-K2, DeepSeek-R1 and Qwen3 alike.
@@ -39,24 +39,9 @@ class Templater:
         trust_remote_code: bool = False,
         template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        # "PyTorch was not found" is advice for model users; we only need the tokenizer.
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-        from transformers import AutoTokenizer  # heavy: import only where templating happens
-
         self.path = tokenizer_path
         self.trust_remote_code = trust_remote_code
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(
-                str(tokenizer_path), trust_remote_code=trust_remote_code, local_files_only=True
-            )
-        except ValueError as exc:
-            if trust_remote_code or "trust_remote_code" not in str(exc):
-                raise
-            raise ValueError(
-                f"{tokenizer_path}: this tokenizer loads with its own Python code (its "
-                "tokenization_*.py); if you trust it, pass --trust-remote-code "
-                "(in a run file: trust_remote_code = true)"
-            ) from exc
+        self.tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
         if not self.tokenizer.chat_template:
             raise ValueError(f"{tokenizer_path}: the tokenizer has no chat template")
         self.template_kwargs = dict(template_kwargs or {})

@@ -4,7 +4,6 @@ generations that hold tool-call tokens) and showing it as terminal tables."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from core.anatomy import THINK_END, Markers, dissect, markers_from_vocab, parse_calls
+from core.tokenizer import exact_decoder, load_tokenizer
 from eaglegen.report.quality import (
     Figures,
     Report,
@@ -42,28 +42,13 @@ class Vocabulary:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        # The Rust decoder when there is one: the transformers wrapper costs more per call
-        # than the decode itself, and the checks decode every call of every generation.
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._decode: Callable[[list[int]], str] = (
-            (lambda ids: str(backend.decode(ids, skip_special_tokens=False)))
-            if backend is not None
-            else (lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)))
-        )
+        self._decode = exact_decoder(tokenizer)
         self._markers = markers_from_vocab(tokenizer.get_vocab())
 
     @classmethod
     def load(cls, path: str, *, trust_remote_code: bool = False) -> Vocabulary:
         """The tokenizer saved at ``path`` (this machine's files only)."""
-        # "PyTorch was not found" is advice for model users; this needs the tokenizer only.
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-        from transformers import AutoTokenizer  # heavy: only where something is decoded
-
-        return cls(
-            AutoTokenizer.from_pretrained(
-                path, trust_remote_code=trust_remote_code, local_files_only=True
-            )
-        )
+        return cls(load_tokenizer(path, trust_remote_code=trust_remote_code))
 
     def decode(self, ids: Sequence[int]) -> str:
         """``ids`` as text, special tokens written out."""
