@@ -5,10 +5,13 @@ for `eaglegen sim`) and `SimServer(config)`, a context manager running the serve
 loopback port in a background thread, exposing `.url`. `/generate` answers at once or, with
 `"stream": true`, as server-sent events while the simulated model decodes; a prompt that declares
 tools sometimes gets a tool call in the chat template's format. Faults (`FaultConfig`) are set at
-startup or at runtime through `GET/POST /sim/faults`; `GET /sim/stats` counts what was injected.
+startup or at runtime through `GET/POST /sim/faults`; `GET /sim/stats` counts what was injected
+and what the scheduler did. `preset(name, **overrides)` builds the named configurations
+(`fast`, the default; `kimi-k2`, the real run's server; `kv-rich`).
 """
 
 from eaglegen.sim.config import FaultConfig, SimConfig
+from eaglegen.sim.presets import PRESETS, preset
 from eaglegen.sim.server import SimServer, create_app, serve
 
-__all__ = ["FaultConfig", "SimConfig", "SimServer", "create_app", "serve"]
+__all__ = ["PRESETS", "FaultConfig", "SimConfig", "SimServer", "create_app", "preset", "serve"]

@@ -8,6 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.sim.scheduler import (
+    CLIP_MAX_NEW_TOKENS,
+    NEW_TOKEN_RATIO_DECAY_STEPS,
+    RETRACT_DECODE_STEPS,
+    SchedulerConfig,
+)
 
 # Statuses an injected error may carry: client and server errors only.
 _ERROR_STATUSES = range(400, 600)
@@ -17,6 +23,7 @@ _FAULT_FIELDS = (
     "drop_rate",
     "malformed_rate",
     "leak_prompt_tokens",
+    "strip_special_tokens",
     "stall_rate",
     "stall_after_chunks",
     "drip_rate",
@@ -40,8 +47,12 @@ class FaultConfig:
     drop_rate: float = 0.0
     # Probability of answering 200 with a body that is not valid JSON.
     malformed_rate: float = 0.0
-    # Prepend the prompt to output_ids, as some SGLang versions did.
-    leak_prompt_tokens: bool = False
+    # output_ids begin with the last N prompt tokens, as some SGLang versions sent them;
+    # completion_tokens still counts only the generated ones. True (the older form) means 1.
+    leak_prompt_tokens: int = 0
+    # The added special tokens (think-end, tool-call markers; not the final stop token) are
+    # left out of output_ids and completion_tokens, as a server skipping special tokens sends.
+    strip_special_tokens: bool = False
     # Probability that a streamed answer stops after stall_after_chunks data chunks and holds
     # the connection open, silent, until the client goes away (a hung server or proxy).
     stall_rate: float = 0.0
@@ -62,6 +73,8 @@ class FaultConfig:
         """Reject impossible knobs; keep error_rates sorted so equal configs compare equal."""
         rates = tuple(sorted((int(s), float(p)) for s, p in self.error_rates))
         object.__setattr__(self, "error_rates", rates)
+        object.__setattr__(self, "leak_prompt_tokens", int(self.leak_prompt_tokens))
+        _require(self.leak_prompt_tokens >= 0, "leak_prompt_tokens must be >= 0")
         statuses = [status for status, _ in rates]
         _require(len(set(statuses)) == len(statuses), "error_rates: one rate per status")
         for status, rate in rates:
@@ -105,7 +118,8 @@ class FaultConfig:
             added_latency_ms=_json_number(body, "added_latency_ms"),
             drop_rate=_json_number(body, "drop_rate"),
             malformed_rate=_json_number(body, "malformed_rate"),
-            leak_prompt_tokens=_json_bool(body, "leak_prompt_tokens"),
+            leak_prompt_tokens=_json_count(body, "leak_prompt_tokens"),
+            strip_special_tokens=_json_bool(body, "strip_special_tokens"),
             stall_rate=_json_number(body, "stall_rate"),
             stall_after_chunks=_json_int(body, "stall_after_chunks", 1),
             drip_rate=_json_number(body, "drip_rate"),
@@ -154,6 +168,14 @@ def _json_int(body: dict[str, Any], key: str, default: int = 0) -> int:
     return int(value)
 
 
+def _json_count(body: dict[str, Any], key: str) -> int:
+    """A count that an older client may still send as true/false (true meaning 1)."""
+    value = body.get(key, 0)
+    if isinstance(value, bool):
+        return int(value)
+    return _json_int(body, key)
+
+
 def _json_bool(body: dict[str, Any], key: str) -> bool:
     """An optional boolean field, false when absent."""
     value = body.get(key, False)
@@ -168,7 +190,16 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Everything that shapes one simulator instance; the defaults mirror the real run."""
+    """Everything that shapes one simulator instance.
+
+    The defaults are the "fast" preset (eaglegen.sim.presets): a small fast server whose
+    admission reserves every running request's whole remaining output (a new-token ratio fixed
+    at 1), so the suite's loads never see a retraction; the other presets turn on SGLang's
+    decaying ratio and its retractions.
+    """
+
+    # Name of the preset these values came from (reported by /get_server_info).
+    preset: str = "fast"
 
     host: str = "127.0.0.1"
     # 0 picks a free port when the server binds.
@@ -181,6 +212,17 @@ class SimConfig:
     max_queued_requests: int | None = None
     # Largest number of uncached prompt tokens prefilled in one batch (SGLang's max_prefill_tokens).
     max_prefill_tokens: int = 16_384
+    # SGLang's --chunked-prefill-size; None prefills a long prompt in one batch.
+    chunked_prefill_size: int | None = None
+    # SGLang's new_token_ratio: starts at init, decays to min over the steps, see scheduler.py.
+    init_new_token_ratio: float = 1.0
+    min_new_token_ratio: float = 1.0
+    new_token_ratio_decay_steps: int = NEW_TOKEN_RATIO_DECAY_STEPS
+    clip_max_new_tokens: int = CLIP_MAX_NEW_TOKENS
+    retract_decode_steps: int = RETRACT_DECODE_STEPS
+    # Multiplies every simulated step's duration: 0.05 runs a preset 20 times faster with the
+    # same shape (latencies and rates seen by clients are then in scaled wall time).
+    time_scale: float = 1.0
     seed: int = 0
     # Directory holding tokenizer.json; None means the packaged tiny tokenizer.
     tokenizer_dir: Path | None = TOKENIZER_DIR
@@ -192,6 +234,9 @@ class SimConfig:
     # Natural output length (before any max_new_tokens cut): log-normal mean, hard upper bound.
     mean_output_tokens: int = 300
     max_output_tokens: int = 4096
+    # Spread (log-normal sigma) of natural output lengths: long answers stay in the batch
+    # longest, so the spread decides how many requests a pool holds at once.
+    output_length_sigma: float = 0.9
     # SGLang's --stream-interval: a streamed request gets a chunk every this many tokens.
     stream_interval: int = 1
     # SGLang's --incremental-streaming-output (formerly --stream-output): chunks carry only the
@@ -217,7 +262,24 @@ class SimConfig:
         _require(self.prefill_tokens_per_ms > 0, "prefill_tokens_per_ms must be > 0")
         _require(self.mean_output_tokens >= 1, "mean_output_tokens must be >= 1")
         _require(self.max_output_tokens >= 16, "max_output_tokens must be >= 16")
+        _require(0.0 < self.output_length_sigma <= 3.0, "output_length_sigma must be in (0, 3]")
         _require(self.stream_interval >= 1, "stream_interval must be >= 1")
+        _require(self.time_scale > 0, "time_scale must be > 0")
+        self.scheduler_config()  # validates the scheduler's knobs
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's share of the settings."""
+        return SchedulerConfig(
+            kv_tokens=self.kv_tokens,
+            max_running_requests=self.max_running_requests,
+            max_prefill_tokens=self.max_prefill_tokens,
+            chunked_prefill_size=self.chunked_prefill_size,
+            init_new_token_ratio=self.init_new_token_ratio,
+            min_new_token_ratio=self.min_new_token_ratio,
+            new_token_ratio_decay_steps=self.new_token_ratio_decay_steps,
+            clip_max_new_tokens=self.clip_max_new_tokens,
+            retract_decode_steps=self.retract_decode_steps,
+        )
 
     @property
     def tokenizer_path(self) -> Path:

@@ -1,22 +1,18 @@
-"""Pure logic of the simulator: deterministic outputs, the prefix cache and the KV scheduler."""
+"""Pure logic of the simulator: deterministic outputs, finish rules and step timing."""
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import random
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Literal
 
 # SGLang's SamplingParams default when a request leaves max_new_tokens out.
 DEFAULT_MAX_NEW_TOKENS = 128
-# Prefix cache granularity in tokens.
-BLOCK_TOKENS = 16
 # One prompt in two that declares tools gets an answer calling one, decided by its digest.
 TOOL_CALL_ONE_IN = 2
 
@@ -40,6 +36,20 @@ class Vocab:
         """Reject an empty ordinary range."""
         if not 0 <= self.ordinary_lo < self.ordinary_hi <= self.vocab_size:
             raise ValueError(f"bad ordinary id range [{self.ordinary_lo}, {self.ordinary_hi})")
+
+    def special_ids(self) -> frozenset[int]:
+        """The added special tokens the simulator may emit (the stop token among them)."""
+        return frozenset(
+            {
+                self.think_end,
+                self.im_end,
+                self.tool_section_begin,
+                self.tool_section_end,
+                self.tool_call_begin,
+                self.tool_call_argument_begin,
+                self.tool_call_end,
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -269,263 +279,6 @@ def prefill_seconds(tokens: int, tokens_per_ms: float) -> float:
 def decode_seconds(batch: int, base_ms: float, per_request_ms: float) -> float:
     """Time of one decode step for a running batch of this size."""
     return (base_ms + per_request_ms * batch) / 1000.0
-
-
-class PrefixCache:
-    """Prompt prefixes as chained hashes of 16-token blocks, LRU-bounded like a radix cache."""
-
-    def __init__(self, capacity_tokens: int) -> None:
-        """An empty cache holding at most capacity_tokens tokens."""
-        self._capacity = max(1, capacity_tokens // BLOCK_TOKENS)
-        self._blocks: OrderedDict[int, None] = OrderedDict()
-
-    @staticmethod
-    def block_hashes(input_ids: Sequence[int]) -> list[int]:
-        """One hash per full block, each covering the whole prefix up to its end."""
-        hashes: list[int] = []
-        prev = 0
-        for end in range(BLOCK_TOKENS, len(input_ids) + 1, BLOCK_TOKENS):
-            prev = hash((prev, tuple(input_ids[end - BLOCK_TOKENS : end])))
-            hashes.append(prev)
-        return hashes
-
-    def match(self, hashes: Sequence[int]) -> int:
-        """Length in tokens of the longest cached prefix, refreshing it in the LRU."""
-        hit = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            self._blocks.move_to_end(h)
-            hit += 1
-        return hit * BLOCK_TOKENS
-
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Remember a prompt's blocks, evicting the least recently used beyond capacity."""
-        for h in hashes:
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        while len(self._blocks) > self._capacity:
-            self._blocks.popitem(last=False)
-
-    def clear(self) -> None:
-        """Forget everything (POST /flush_cache)."""
-        self._blocks.clear()
-
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens currently held."""
-        return len(self._blocks) * BLOCK_TOKENS
-
-
-class RequestState(Enum):
-    """Where a request is in the scheduler."""
-
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    RUNNING = "running"
-    DONE = "done"
-    ABORTED = "aborted"
-
-
-@dataclass(eq=False)
-class Job:
-    """One request inside the scheduler; its output is known up front, time reveals it."""
-
-    input_ids: Sequence[int]
-    completion: Completion
-    # KV the request may need at most: SGLang admits on prompt + max_new_tokens.
-    reserve: int
-    count_in_metrics: bool = True
-    state: RequestState = RequestState.WAITING
-    cached_tokens: int = 0
-    admit_step: int = -1
-    key: int = 0
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Length of the prompt."""
-        return len(self.input_ids)
-
-    @property
-    def output_tokens(self) -> int:
-        """Length of the final output."""
-        return len(self.completion.output_ids)
-
-
-@dataclass(frozen=True)
-class PrefillBatch:
-    """Jobs admitted together; extend_tokens is the uncached prompt work to prefill."""
-
-    jobs: tuple[Job, ...]
-    extend_tokens: int
-    cached_tokens: int
-
-
-@dataclass
-class Totals:
-    """Cumulative counters behind /metrics (finished requests only, like SGLang)."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    cached_tokens: int = 0
-    requests: int = 0
-
-
-class Scheduler:
-    """Continuous batching over a KV pool: FCFS admission, one token per running job per step."""
-
-    def __init__(
-        self, kv_tokens: int, max_running: int, max_prefill_tokens: int, cache: PrefixCache
-    ) -> None:
-        """An idle scheduler."""
-        self.kv_tokens = kv_tokens
-        self.max_running = max_running
-        self.max_prefill_tokens = max_prefill_tokens
-        self.cache = cache
-        self.step = 0
-        self.used_tokens = 0
-        self.reserved_tokens = 0
-        self.tokens_generated = 0
-        self.last_cache_hit_rate = 0.0
-        self.totals = Totals()
-        self._waiting: deque[Job] = deque()
-        self._running: dict[int, Job] = {}
-        self._decoding = 0
-        self._heap: list[tuple[int, int]] = []
-        self._next_key = 0
-
-    @property
-    def num_waiting(self) -> int:
-        """Jobs in the waiting queue."""
-        return len(self._waiting)
-
-    @property
-    def num_running(self) -> int:
-        """Jobs holding KV (prefilling or decoding)."""
-        return len(self._running)
-
-    @property
-    def num_decoding(self) -> int:
-        """Jobs that advance in the next decode step."""
-        return self._decoding
-
-    def has_work(self) -> bool:
-        """Whether anything waits or runs."""
-        return bool(self._waiting or self._running)
-
-    def submit(self, job: Job) -> None:
-        """Queue a job; it runs once it fits."""
-        if job.reserve > self.kv_tokens:
-            raise ValueError(f"job needs {job.reserve} KV tokens, pool has {self.kv_tokens}")
-        self._next_key += 1
-        job.key = self._next_key
-        job.state = RequestState.WAITING
-        self._waiting.append(job)
-
-    def admit(self) -> PrefillBatch | None:
-        """Move waiting jobs that fit (FCFS, stopping at the first that does not) to prefill."""
-        jobs: list[Job] = []
-        extend = cached = 0
-        while self._waiting and self._fits(self._waiting[0]):
-            job = self._waiting[0]
-            hashes = self.cache.block_hashes(job.input_ids)
-            # At least one prompt token is always computed, as in SGLang.
-            hit = min(self.cache.match(hashes), job.prompt_tokens - 1)
-            if jobs and extend + job.prompt_tokens - hit > self.max_prefill_tokens:
-                break
-            self._waiting.popleft()
-            self.cache.insert(hashes)
-            self._start_prefill(job, hit)
-            jobs.append(job)
-            extend += job.prompt_tokens - hit
-            cached += hit
-        if not jobs:
-            return None
-        total = extend + cached
-        self.last_cache_hit_rate = cached / total if total else 0.0
-        return PrefillBatch(tuple(jobs), extend, cached)
-
-    def _fits(self, job: Job) -> bool:
-        """Whether a job may start now: a running slot and its worst-case KV are free."""
-        return (
-            len(self._running) < self.max_running
-            and self.reserved_tokens + job.reserve <= self.kv_tokens
-        )
-
-    def _start_prefill(self, job: Job, cached_tokens: int) -> None:
-        """Allocate a job's prompt KV and reservation."""
-        job.state = RequestState.PREFILL
-        job.cached_tokens = cached_tokens
-        self._running[job.key] = job
-        self.reserved_tokens += job.reserve
-        self.used_tokens += job.prompt_tokens
-
-    def finish_prefill(self, batch: PrefillBatch) -> list[Job]:
-        """Prefill yields each job's first token; returns the jobs that are already done."""
-        done: list[Job] = []
-        for job in batch.jobs:
-            if job.state is not RequestState.PREFILL:
-                continue
-            first = min(1, job.output_tokens)
-            self.used_tokens += first
-            self.tokens_generated += first
-            if job.output_tokens <= 1:
-                done.append(self._finish(job))
-                continue
-            job.state = RequestState.RUNNING
-            job.admit_step = self.step
-            self._decoding += 1
-            heapq.heappush(self._heap, (self.step + job.output_tokens - 1, job.key))
-        return done
-
-    def decode_step(self) -> list[Job]:
-        """Advance every decoding job by one token; returns the jobs that finished."""
-        self.step += 1
-        self.used_tokens += self._decoding
-        self.tokens_generated += self._decoding
-        done: list[Job] = []
-        while self._heap and self._heap[0][0] <= self.step:
-            _, key = heapq.heappop(self._heap)
-            job = self._running.get(key)
-            if job is not None and job.state is RequestState.RUNNING:
-                self._decoding -= 1
-                done.append(self._finish(job))
-        return done
-
-    def _finish(self, job: Job) -> Job:
-        """Release a completed job's KV and count it."""
-        del self._running[job.key]
-        self.used_tokens -= job.prompt_tokens + job.output_tokens
-        self.reserved_tokens -= job.reserve
-        job.state = RequestState.DONE
-        if job.count_in_metrics:
-            self.totals.prompt_tokens += job.prompt_tokens
-            self.totals.generation_tokens += job.output_tokens
-            self.totals.cached_tokens += job.cached_tokens
-            self.totals.requests += 1
-        return job
-
-    def abort(self, job: Job) -> None:
-        """Drop a job wherever it is (its client went away), freeing its KV."""
-        if job.state is RequestState.WAITING:
-            self._waiting.remove(job)
-        elif job.state in (RequestState.PREFILL, RequestState.RUNNING):
-            del self._running[job.key]
-            self.used_tokens -= job.prompt_tokens + self.generated(job)
-            self.reserved_tokens -= job.reserve
-            if job.state is RequestState.RUNNING:
-                self._decoding -= 1
-        else:
-            return
-        job.state = RequestState.ABORTED
-
-    def generated(self, job: Job) -> int:
-        """Tokens of a job's output generated so far (what it holds in KV beyond its prompt)."""
-        if job.state is RequestState.DONE:
-            return job.output_tokens
-        if job.state is RequestState.RUNNING:
-            return min(job.output_tokens, 1 + self.step - job.admit_step)
-        return 0
 
 
 class ThroughputMeter:

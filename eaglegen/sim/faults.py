@@ -37,7 +37,8 @@ class Decision:
 
     fault: Fault | None
     delay_s: float
-    leak_prompt_tokens: bool
+    leak_prompt_tokens: int
+    strip_special_tokens: bool = False
 
 
 def choose(faults: FaultConfig, u: float, *, stream: bool = False) -> Fault | None:
@@ -86,6 +87,7 @@ class FaultStats:
     dropped: int = 0
     malformed: int = 0
     leaked: int = 0
+    stripped: int = 0
     delayed: int = 0
     stalled: int = 0
     dripped: int = 0
@@ -93,8 +95,8 @@ class FaultStats:
     unhealthy_health_checks: int = 0
 
     def count(self, decision: Decision) -> None:
-        """Tally the faults of one /generate call (leaks and broken tool calls are counted when
-        sent)."""
+        """Tally the faults of one /generate call (leaks, stripped answers and broken tool calls
+        are counted when sent)."""
         self.generate_requests += 1
         if decision.delay_s > 0:
             self.delayed += 1
@@ -121,6 +123,7 @@ class FaultStats:
                 "dropped": self.dropped,
                 "malformed": self.malformed,
                 "leaked": self.leaked,
+                "stripped": self.stripped,
                 "delayed": self.delayed,
                 "stalled": self.stalled,
                 "dripped": self.dripped,
@@ -151,6 +154,7 @@ class FaultInjector:
             fault=choose(faults, self._rng.random(), stream=stream),
             delay_s=faults.added_latency_ms / 1000.0,
             leak_prompt_tokens=faults.leak_prompt_tokens,
+            strip_special_tokens=faults.strip_special_tokens,
         )
         self.stats.count(decision)
         return decision

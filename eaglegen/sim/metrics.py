@@ -1,4 +1,13 @@
-"""Prometheus text exposition with SGLang's metric names and labels."""
+"""Prometheus text exposition with SGLang's metric names and labels.
+
+Names, help texts and the queue-time buckets are those of SGLang's `metrics/collector.py`
+(`SchedulerMetricsCollector`: the scheduler gauges, `num_retracted_reqs`, the
+`num_retracted_{requests,input_tokens,output_tokens}_total` counters, `new_token_ratio`,
+`queue_time_seconds`; `TokenizerMetricsCollector`: the token and request counters and
+`e2e_request_latency_seconds`). Every value is read from the scheduler's counters when
+/metrics is scraped: nothing is recomputed over the requests, so a scrape costs the same
+whatever the load.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +19,12 @@ from dataclasses import dataclass, field
 E2E_BUCKETS: tuple[float, ...] = (
     0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0,
     200.0, 400.0, 600.0, 1200.0, 1800.0, 2400.0,
+)  # fmt: skip
+# SGLang's buckets for sglang:queue_time_seconds.
+QUEUE_TIME_BUCKETS: tuple[float, ...] = (
+    0.0, 0.1, 0.2, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    70.0, 80.0, 90.0, 100.0, 200.0, 300.0, 400.0, 500.0, 600.0, 700.0, 800.0, 900.0, 1000.0,
+    1200.0, 1400.0, 1600.0, 1800.0, 2000.0, 2500.0, 3000.0,
 )  # fmt: skip
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -50,6 +65,11 @@ class Snapshot:
     generation_tokens_total: int
     cached_tokens_total: int
     num_requests_total: int
+    num_retracted_reqs: int = 0
+    num_retracted_requests_total: int = 0
+    num_retracted_input_tokens_total: int = 0
+    num_retracted_output_tokens_total: int = 0
+    new_token_ratio: float = 0.0
 
 
 _GAUGES = (
@@ -60,6 +80,13 @@ _GAUGES = (
     ("num_queue_reqs", "The number of requests in the waiting queue."),
     ("cache_hit_rate", "The prefix cache hit rate."),
     ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."),
+    ("num_retracted_reqs", "The number of retracted requests."),
+    ("new_token_ratio", "The new token ratio."),
+)
+_SCHEDULER_COUNTERS = (
+    ("num_retracted_requests_total", "Total number of retracted requests."),
+    ("num_retracted_input_tokens_total", "Total number of retracted input tokens."),
+    ("num_retracted_output_tokens_total", "Total number of retracted output tokens."),
 )
 _COUNTERS = (
     ("prompt_tokens_total", "Number of prefill tokens processed."),
@@ -69,17 +96,24 @@ _COUNTERS = (
 )
 
 
-def render(snapshot: Snapshot, e2e: Histogram, model_name: str) -> str:
-    """The /metrics body: scheduler gauges, tokenizer counters and the e2e latency histogram."""
+def render(
+    snapshot: Snapshot, e2e: Histogram, model_name: str, queue_time: Histogram | None = None
+) -> str:
+    """The /metrics body: scheduler gauges and counters, tokenizer counters, the e2e latency
+    and queue time histograms."""
     name = _escape(model_name)
     scheduler_labels = f'engine_type="unified",model_name="{name}",tp_rank="0"'
     tokenizer_labels = f'model_name="{name}"'
     lines: list[str] = []
     for key, doc in _GAUGES:
         _sample(lines, key, doc, "gauge", scheduler_labels, getattr(snapshot, key))
+    for key, doc in _SCHEDULER_COUNTERS:
+        _sample(lines, key, doc, "counter", scheduler_labels, getattr(snapshot, key))
     for key, doc in _COUNTERS:
         _sample(lines, key, doc, "counter", tokenizer_labels, getattr(snapshot, key))
-    _histogram(lines, e2e, tokenizer_labels)
+    _histogram(lines, e2e, tokenizer_labels, _E2E)
+    if queue_time is not None:
+        _histogram(lines, queue_time, scheduler_labels, _QUEUE_TIME)
     return "\n".join(lines) + "\n"
 
 
@@ -90,13 +124,14 @@ def _sample(lines: list[str], key: str, doc: str, kind: str, labels: str, value:
     lines.append(f"{metric}{{{labels}}} {_number(value)}")
 
 
-def _histogram(lines: list[str], hist: Histogram, labels: str) -> None:
-    """sglang:e2e_request_latency_seconds in cumulative-bucket form."""
-    metric = "sglang:e2e_request_latency_seconds"
-    lines += [
-        f"# HELP {metric} Histogram of End-to-end request latency in seconds",
-        f"# TYPE {metric} histogram",
-    ]
+_E2E = ("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds")
+_QUEUE_TIME = ("sglang:queue_time_seconds", "Histogram of queueing time in seconds.")
+
+
+def _histogram(lines: list[str], hist: Histogram, labels: str, name: tuple[str, str]) -> None:
+    """One histogram in cumulative-bucket form."""
+    metric, doc = name
+    lines += [f"# HELP {metric} {doc}", f"# TYPE {metric} histogram"]
     cumulative = 0
     for bound, count in zip((*hist.buckets, math.inf), hist.counts, strict=True):
         cumulative += count

@@ -366,22 +366,42 @@ def response_body(
     text: str,
     cached_tokens: int,
     e2e_latency: float,
-    leak_prompt_tokens: bool = False,
+    leak_prompt_tokens: int = 0,
+    retractions: int = 0,
 ) -> dict[str, Any]:
     """One /generate result, with meta_info keys in SGLang's order."""
-    output_ids = completion.output_ids
-    if leak_prompt_tokens:
-        # The real bug's shape: the prompt leads output_ids, completion_tokens does not count it.
-        output_ids = [*item.input_ids, *output_ids]
     return result_body(
         item,
-        output_ids,
+        leak(completion.output_ids, item.input_ids, leak_prompt_tokens),
         text=text,
         finish=completion.finish,
         completion_tokens=len(completion.output_ids),
         cached_tokens=cached_tokens,
         e2e_latency=e2e_latency,
+        retractions=retractions,
     )
+
+
+def leak(output_ids: list[int], input_ids: list[int], n: int) -> list[int]:
+    """The real bug's shape: the last n prompt tokens lead output_ids (completion_tokens does
+    not count them)."""
+    if n <= 0:
+        return output_ids
+    return [*input_ids[max(0, len(input_ids) - n) :], *output_ids]
+
+
+def strip_special(ids: list[int], specials: frozenset[int], final_stop: bool) -> list[int]:
+    """ids without the added special tokens, as a server skipping them sends; the matched
+    stop token that ends a finished output (final_stop) stays."""
+    last = len(ids) - 1 if final_stop else -1
+    return [t for i, t in enumerate(ids) if i == last or t not in specials]
+
+
+def stripped(completion: Completion, specials: frozenset[int]) -> Completion:
+    """A finished completion as the strip_special_tokens fault sends it."""
+    final_stop = completion.finish.type == "stop"
+    ids = strip_special(completion.output_ids, specials, final_stop)
+    return Completion(ids, completion.finish, completion.broken_tool_args)
 
 
 def result_body(
@@ -393,6 +413,7 @@ def result_body(
     completion_tokens: int,
     cached_tokens: int,
     e2e_latency: float | None,
+    retractions: int = 0,
 ) -> dict[str, Any]:
     """A result or a stream chunk: an unfinished one has a null finish_reason and, as in
     SGLang, no e2e_latency yet."""
@@ -401,7 +422,7 @@ def result_body(
         "finish_reason": finish.to_json() if finish is not None else None,
         "prompt_tokens": len(item.input_ids),
         "weight_version": "default",
-        "total_retractions": 0,
+        "total_retractions": retractions,
         "completion_tokens": completion_tokens,
         "cached_tokens": cached_tokens,
     }

@@ -24,16 +24,17 @@ from starlette.types import Receive
 from eaglegen.sim import metrics
 from eaglegen.sim.config import FaultConfig, SimConfig
 from eaglegen.sim.connection import DroppableH11Protocol, drop
-from eaglegen.sim.engine import Job
 from eaglegen.sim.faults import MALFORMED_BODY, Decision, Fault, error_body
 from eaglegen.sim.protocol import (
     GenerateRequest,
     RequestError,
     parse_generate,
     response_body,
+    stripped,
     validation_error_body,
     wants_stream,
 )
+from eaglegen.sim.scheduler import Job
 from eaglegen.sim.service import SimService
 from eaglegen.sim.streaming import (
     EventStream,
@@ -129,7 +130,7 @@ async def _generate(
         return _stream(service, parsed, jobs, started, decision)
     if not await service.run(jobs, receive):
         return Response(status_code=499)  # nobody is listening any more
-    result = _results(service, parsed, jobs, started, decision.leak_prompt_tokens)
+    result = _results(service, parsed, jobs, started, decision)
     if decision.fault is not None and decision.fault.kind == "drip":
         return _drip(result, service.faults.config)
     return JSONResponse(result)
@@ -149,6 +150,7 @@ def _stream(
     options = StreamOptions(
         incremental=cfg.incremental_streaming_output,
         leak_prompt_tokens=decision.leak_prompt_tokens,
+        strip=service.vocab.special_ids() if decision.strip_special_tokens else frozenset(),
         stall_after=service.faults.config.stall_after_chunks if stalled else None,
     )
     watches = service.stream(jobs, intervals)
@@ -179,28 +181,38 @@ def _json_body(raw: bytes) -> object:
 
 
 def _results(
-    service: SimService, parsed: GenerateRequest, jobs: list[Job], started: float, leak: bool
+    service: SimService,
+    parsed: GenerateRequest,
+    jobs: list[Job],
+    started: float,
+    decision: Decision,
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """Response bodies for finished jobs: a dict, or a list for a batch."""
     latency = time.perf_counter() - started
+    specials = service.vocab.special_ids()
     bodies = []
     for item, job in zip(parsed.items, jobs, strict=True):
         if parsed.log_metrics:
             service.e2e.observe(latency)
-        text = service.text(job.completion, item)
+        completion = job.completion
+        if decision.strip_special_tokens:
+            completion = stripped(completion, specials)
         bodies.append(
             response_body(
                 item,
-                job.completion,
-                text=text,
+                completion,
+                text=service.text(completion, item),
                 cached_tokens=job.cached_tokens,
                 e2e_latency=latency,
-                leak_prompt_tokens=leak,
+                leak_prompt_tokens=decision.leak_prompt_tokens,
+                retractions=job.retractions,
             )
         )
     stats = service.faults.stats
-    if leak:
+    if decision.leak_prompt_tokens:
         stats.leaked += len(bodies)
+    if decision.strip_special_tokens:
+        stats.stripped += len(bodies)
     stats.broken_tool_args += sum(job.completion.broken_tool_args for job in jobs)
     return bodies if parsed.is_batch else bodies[0]
 
@@ -256,6 +268,7 @@ def _server_args(cfg: SimConfig, port: int | None) -> dict[str, Any]:
         "max_queued_requests": cfg.max_queued_requests,
         "max_total_tokens": cfg.kv_tokens,
         "max_prefill_tokens": cfg.max_prefill_tokens,
+        "chunked_prefill_size": cfg.chunked_prefill_size,
         "schedule_policy": "fcfs",
         "schedule_conservativeness": 1.0,
         "page_size": 1,
@@ -276,7 +289,8 @@ def _internal_state(service: SimService) -> dict[str, Any]:
         "last_gen_throughput": service.meter.rate(time.monotonic()),
         "num_running_reqs": service.scheduler.num_running,
         "num_queue_reqs": service.scheduler.num_waiting,
-        "token_usage": service.scheduler.used_tokens / service.scheduler.kv_tokens,
+        "token_usage": service.scheduler.token_usage,
+        "new_token_ratio": service.scheduler.ratio.current,
     }
 
 
@@ -292,16 +306,16 @@ def _sim_knobs(service: SimService) -> dict[str, Any]:
 async def metrics_endpoint(request: Request) -> Response:
     """GET /metrics in Prometheus text format."""
     service = _service(request)
-    text = metrics.render(service.snapshot(), service.e2e, service.config.model_path)
+    queue_time = service.scheduler.queue_time
+    text = metrics.render(service.snapshot(), service.e2e, service.config.model_path, queue_time)
     return Response(text, media_type=metrics.CONTENT_TYPE)
 
 
 async def flush_cache_endpoint(request: Request) -> Response:
     """POST /flush_cache: refused with 400 while requests run or wait, like SGLang."""
     service = _service(request)
-    if service.scheduler.has_work():
+    if not service.scheduler.flush_cache():
         return PlainTextResponse(_FLUSH_TEXT, status_code=400)
-    service.scheduler.cache.clear()
     return PlainTextResponse(_FLUSH_TEXT)
 
 
@@ -318,8 +332,10 @@ async def faults_endpoint(request: Request) -> Response:
 
 
 async def stats_endpoint(request: Request) -> Response:
-    """GET /sim/stats: faults injected per kind since startup."""
-    return JSONResponse(_service(request).faults.stats.to_json())
+    """GET /sim/stats: faults injected per kind since startup, and the scheduler's own counters
+    (simulated time, retractions and the work they wasted)."""
+    service = _service(request)
+    return JSONResponse({**service.faults.stats.to_json(), "scheduler": service.scheduler_stats()})
 
 
 def create_app(config: SimConfig) -> Starlette:

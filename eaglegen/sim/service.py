@@ -22,11 +22,7 @@ from eaglegen.sim import metrics
 from eaglegen.sim.config import SimConfig
 from eaglegen.sim.engine import (
     Completion,
-    Job,
     OutputShape,
-    PrefixCache,
-    RequestState,
-    Scheduler,
     ThroughputMeter,
     Vocab,
     decode_seconds,
@@ -36,6 +32,7 @@ from eaglegen.sim.engine import (
 )
 from eaglegen.sim.faults import FaultInjector
 from eaglegen.sim.protocol import GenerateItem, Limits, ids_for_text
+from eaglegen.sim.scheduler import Job, RequestState, Scheduler
 from eaglegen.sim.tools import ToolCallWriter, ToolDeclarations
 
 logger = logging.getLogger(__name__)
@@ -89,14 +86,13 @@ class SimService:
         self.config = config
         self.vocab = vocab
         self.tokenizer = tokenizer
-        self.shape = OutputShape(config.mean_output_tokens, config.max_output_tokens)
-        self.limits = Limits(vocab.vocab_size, config.context_length, config.kv_tokens, config.seed)
-        self.scheduler = Scheduler(
-            config.kv_tokens,
-            config.max_running_requests,
-            config.max_prefill_tokens,
-            PrefixCache(config.kv_tokens),
+        self.shape = OutputShape(
+            config.mean_output_tokens, config.max_output_tokens, config.output_length_sigma
         )
+        self.limits = Limits(vocab.vocab_size, config.context_length, config.kv_tokens, config.seed)
+        self.scheduler = Scheduler(config.scheduler_config())
+        # Simulated seconds the steps took (before time_scale): the model's own clock.
+        self.sim_seconds = 0.0
         self.meter = ThroughputMeter()
         self.e2e = metrics.Histogram()
         self.faults = FaultInjector(config.faults)
@@ -149,26 +145,33 @@ class SimService:
             await self._one_round(clock)
 
     async def _one_round(self, clock: _StepClock) -> None:
-        """One prefill batch (if any job fits) followed by one decode step."""
-        batch = self.scheduler.admit()
+        """One forward pass, as SGLang's event loop picks it: a prefill batch when a waiting
+        request may start, else one decode step of the running batch."""
+        cfg, scheduler = self.config, self.scheduler
+        batch = scheduler.admit()
         if batch is not None:
-            await clock.advance(
-                prefill_seconds(batch.extend_tokens, self.config.prefill_tokens_per_ms)
+            await self._spend(
+                clock, prefill_seconds(batch.extend_tokens, cfg.prefill_tokens_per_ms)
             )
-            self._resolve(self.scheduler.finish_prefill(batch))
+            self._resolve(scheduler.finish_prefill(batch))
             self._release_chunks()
-        running = self.scheduler.num_decoding
-        if running:
-            cfg = self.config
-            await clock.advance(
-                decode_seconds(running, cfg.decode_step_ms, cfg.decode_ms_per_request)
-            )
-            self._resolve(self.scheduler.decode_step())
+            return
+        # A retracted stream just pauses: its next chunk comes after its re-prefill.
+        plan = scheduler.prepare_decode()
+        if plan.batch:
+            step = decode_seconds(plan.batch, cfg.decode_step_ms, cfg.decode_ms_per_request)
+            await self._spend(clock, step)
+            self._resolve(scheduler.decode_step())
             self._release_chunks()
-            self.meter.record(time.monotonic(), self.scheduler.tokens_generated)
-        elif batch is None:
+            self.meter.record(time.monotonic(), scheduler.tokens_generated)
+        elif not plan.retracted:
             # Defensive: work exists yet nothing can move; never spin.
             await asyncio.sleep(0.001)
+
+    async def _spend(self, clock: _StepClock, seconds: float) -> None:
+        """Let a forward pass of `seconds` simulated time go by, scaled to wall time."""
+        self.sim_seconds += seconds
+        await clock.advance(seconds * self.config.time_scale)
 
     def _resolve(self, jobs: list[Job]) -> None:
         """Wake the handlers of finished jobs."""
@@ -215,7 +218,7 @@ class SimService:
             rate = self.faults.config.broken_tool_args_rate
             tools = ToolCallWriter(functions, self.encode, rate)
         completion = generate(item.input_ids, item.sampling, self.vocab, self.shape, tools)
-        return Job(item.input_ids, completion, item.reserve, count_in_metrics)
+        return Job(item.input_ids, completion, item.sampling.max_new_tokens, count_in_metrics)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text (what the model writes between special tokens)."""
@@ -234,6 +237,8 @@ class SimService:
             done_all.result()
             return True
         done_all.cancel()
+        # Retrieve the cancelled gather's outcome, or asyncio logs it as never retrieved.
+        done_all.add_done_callback(_retrieve)
         for job in jobs:
             self._futures.pop(job.key, None)
             self.scheduler.abort(job)
@@ -281,7 +286,7 @@ class SimService:
             num_running_reqs=s.num_running,
             num_queue_reqs=s.num_waiting,
             num_used_tokens=s.used_tokens,
-            token_usage=s.used_tokens / s.kv_tokens,
+            token_usage=s.token_usage,
             gen_throughput=self.meter.rate(time.monotonic()),
             cache_hit_rate=s.last_cache_hit_rate,
             max_total_num_tokens=s.kv_tokens,
@@ -289,7 +294,33 @@ class SimService:
             generation_tokens_total=s.totals.generation_tokens,
             cached_tokens_total=s.totals.cached_tokens,
             num_requests_total=s.totals.requests,
+            num_retracted_reqs=s.last_retracted,
+            num_retracted_requests_total=s.totals.retracted_requests,
+            num_retracted_input_tokens_total=s.totals.retracted_input_tokens,
+            num_retracted_output_tokens_total=s.totals.retracted_output_tokens,
+            new_token_ratio=s.ratio.current,
         )
+
+    def scheduler_stats(self) -> dict[str, Any]:
+        """The simulator's own counters (GET /sim/stats): the model's clock and wasted work."""
+        s = self.scheduler
+        return {
+            "sim_seconds": self.sim_seconds,
+            "decode_steps": s.step,
+            "tokens_generated": s.tokens_generated,
+            "generation_tokens_total": s.totals.generation_tokens,
+            "retracted_requests": s.totals.retracted_requests,
+            "retracted_output_tokens": s.totals.retracted_output_tokens,
+            "reprefill_tokens": s.totals.reprefill_tokens,
+            "new_token_ratio": s.ratio.current,
+            "cached_tree_tokens": s.cache.total_size,
+        }
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a finished future's exception as seen."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _wait_disconnect(receive: Receive) -> None:

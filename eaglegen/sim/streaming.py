@@ -21,8 +21,15 @@ import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from eaglegen.sim.engine import Finish
-from eaglegen.sim.protocol import GenerateItem, GenerateRequest, result_body
+from eaglegen.sim.engine import Completion, Finish
+from eaglegen.sim.protocol import (
+    GenerateItem,
+    GenerateRequest,
+    leak,
+    result_body,
+    strip_special,
+    stripped,
+)
 from eaglegen.sim.service import SimService, StreamWatch
 
 MEDIA_TYPE = "text/event-stream"
@@ -123,7 +130,9 @@ class StreamOptions:
     """What shapes one streamed call's chunks."""
 
     incremental: bool
-    leak_prompt_tokens: bool
+    leak_prompt_tokens: int
+    # Special ids left out of output_ids (the strip_special_tokens fault); empty keeps all.
+    strip: frozenset[int] = frozenset()
     # Data chunks sent before the stream goes silent (the stall fault); None never stalls.
     stall_after: int | None = None
 
@@ -147,12 +156,26 @@ class _ItemStream:
         self.options = options
         self.text = IncrementalText(self._decode)
         self.sent = 0
+        # output_ids sent so far (fewer than the tokens when special tokens are stripped).
+        self.shown = 0
         self.chunks = 0
         self.done = False
 
     def _decode(self, ids: list[int]) -> str:
         """Text of ids with this prompt's detokenizer options."""
         return self.service.decode(ids, self.item.text_options.skip_special_tokens)
+
+    def _ids(self, ids: list[int], finished: bool) -> list[int]:
+        """The output ids released so far, as this call sends them."""
+        if not self.options.strip:
+            return ids
+        final_stop = finished and self.watch.job.completion.finish.type == "stop"
+        return strip_special(ids, self.options.strip, final_stop)
+
+    def _final(self) -> Completion:
+        """The whole answer as this call sends it."""
+        completion = self.watch.job.completion
+        return stripped(completion, self.options.strip) if self.options.strip else completion
 
     def pending(self) -> bool:
         """Whether the scheduler released a chunk this stream has not sent."""
@@ -161,25 +184,26 @@ class _ItemStream:
     def chunk(self, started: float) -> dict[str, Any]:
         """The next chunk, covering every token released so far."""
         watch, completion = self.watch, self.watch.job.completion
-        ids, end = completion.output_ids, watch.ready
+        ids = self._ids(completion.output_ids[: watch.ready], watch.finished)
         if watch.finished:
-            delta = self.text.finish(self.service.text(completion, self.item))
+            delta = self.text.finish(self.service.text(self._final(), self.item))
         else:
-            delta = self.text.advance(ids, end)
+            delta = self.text.advance(ids, len(ids))
         incremental = self.options.incremental
-        out = ids[self.sent : end] if incremental else ids[:end]
-        if self.options.leak_prompt_tokens and (self.sent == 0 or not incremental):
-            out = [*self.item.input_ids, *out]
+        out = ids[self.shown :] if incremental else ids
+        if self.sent == 0 or not incremental:
+            out = leak(out, self.item.input_ids, self.options.leak_prompt_tokens)
         body = result_body(
             self.item,
             out,
             text=delta if incremental else self.text.text,
             finish=completion.finish if watch.finished else None,
-            completion_tokens=end,
+            completion_tokens=len(ids),
             cached_tokens=watch.job.cached_tokens,
             e2e_latency=time.perf_counter() - started if watch.finished else None,
+            retractions=watch.job.retractions,
         )
-        self.sent, self.done = end, watch.finished
+        self.sent, self.shown, self.done = watch.ready, len(ids), watch.finished
         self.chunks += 1
         return _indexed(body, self.index)
 
@@ -241,6 +265,8 @@ def _count(
     stats = service.faults.stats
     if stream.chunks == 1 and stream.options.leak_prompt_tokens:
         stats.leaked += 1
+    if stream.chunks == 1 and stream.options.strip:
+        stats.stripped += 1
     if stream.done:
         if stream.watch.job.completion.broken_tool_args:
             stats.broken_tool_args += 1

@@ -195,16 +195,45 @@ def test_malformed_body_is_a_200_that_is_not_json(client: httpx.Client) -> None:
 def test_leaked_prompt_tokens_have_the_real_bugs_shape(client: httpx.Client) -> None:
     call = payload(7, max_new=64)
     clean = client.post("/generate", json=call).json()
-    set_faults(client, leak_prompt_tokens=True)
     before = injected(client)["leaked"]
-    leaked = client.post("/generate", json=call).json()
-    prompt, meta = call["input_ids"], leaked["meta_info"]
-    generated = clean["output_ids"]
-    assert leaked["output_ids"] == [*prompt, *generated]
-    assert meta["completion_tokens"] == clean["meta_info"]["completion_tokens"] == len(generated)
-    assert len(leaked["output_ids"]) != meta["completion_tokens"]  # what the worker rejects
-    assert meta["prompt_tokens"] == len(prompt) and leaked["text"] == clean["text"]
-    assert injected(client)["leaked"] - before == 1
+    prompt, generated = call["input_ids"], clean["output_ids"]
+    # The last N prompt tokens lead output_ids; N beyond the prompt leaks all of it.
+    for n, lead in ((1, prompt[-1:]), (5, prompt[-5:]), (10_000, prompt)):
+        set_faults(client, leak_prompt_tokens=n)
+        leaked = client.post("/generate", json=call).json()
+        meta = leaked["meta_info"]
+        assert leaked["output_ids"] == [*lead, *generated]
+        assert meta["completion_tokens"] == clean["meta_info"]["completion_tokens"]
+        assert meta["completion_tokens"] == len(generated)
+        assert len(leaked["output_ids"]) != meta["completion_tokens"]  # what the worker rejects
+        assert meta["prompt_tokens"] == len(prompt) and leaked["text"] == clean["text"]
+    assert injected(client)["leaked"] - before == 3
+    # The older boolean form still works and means one token.
+    set_faults(client, leak_prompt_tokens=True)
+    assert client.get("/sim/faults").json()["leak_prompt_tokens"] == 1
+
+
+def test_stripped_special_tokens_leave_only_the_final_stop_token(client: httpx.Client) -> None:
+    call = payload(8, max_new=4000)
+    call["sampling_params"]["skip_special_tokens"] = False
+    clean = client.post("/generate", json=call).json()
+    specials = {IDS.think_end, IDS.im_end, IDS.tool_calls_section_begin, IDS.tool_call_begin}
+    assert IDS.think_end in clean["output_ids"] and clean["output_ids"][-1] == IDS.im_end
+    set_faults(client, strip_special_tokens=True)
+    before = injected(client)["stripped"]
+    body = client.post("/generate", json=call).json()
+    expected = [t for t in clean["output_ids"][:-1] if t not in specials] + [IDS.im_end]
+    assert body["output_ids"] == expected
+    assert body["meta_info"]["completion_tokens"] == len(expected)
+    assert body["meta_info"]["finish_reason"] == clean["meta_info"]["finish_reason"]
+    assert "</think>" not in body["text"] and "</think>" in clean["text"]
+    streamed = {**call, "stream": True}
+    with client.stream("POST", "/generate", json=streamed) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line[6:7] == "{"]
+    assert chunks[-1]["output_ids"] == expected
+    assert all(IDS.think_end not in c["output_ids"] for c in chunks)
+    assert all(len(c["output_ids"]) == c["meta_info"]["completion_tokens"] for c in chunks)
+    assert injected(client)["stripped"] - before == 2
 
 
 def test_a_stalled_stream_sends_its_first_chunks_then_holds_the_connection_silent(
@@ -268,7 +297,7 @@ def test_stream_faults_keep_the_stream_framing(sim: SimServer, client: httpx.Cli
         raw = response.read()
     # One event cut mid-JSON, and no [DONE].
     assert raw == b"data: " + MALFORMED_BODY + b"\n\n"
-    set_faults(client, leak_prompt_tokens=True)
+    set_faults(client, leak_prompt_tokens=10_000)
     before = injected(client)["leaked"]
     with client.stream("POST", "/generate", json=streamed) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line[6:7] == "{"]
@@ -394,6 +423,8 @@ def test_cli_flags_build_the_fault_config(monkeypatch: pytest.MonkeyPatch) -> No
         "--malformed-rate",
         "0.05",
         "--leak-prompt-tokens",
+        "3",
+        "--strip-special-tokens",
         "--stall-rate",
         "0.1",
         "--stall-after-chunks",
@@ -419,7 +450,8 @@ def test_cli_flags_build_the_fault_config(monkeypatch: pytest.MonkeyPatch) -> No
         added_latency_ms=25.0,
         drop_rate=0.1,
         malformed_rate=0.05,
-        leak_prompt_tokens=True,
+        leak_prompt_tokens=3,
+        strip_special_tokens=True,
         stall_rate=0.1,
         stall_after_chunks=3,
         drip_rate=0.2,
@@ -429,6 +461,7 @@ def test_cli_flags_build_the_fault_config(monkeypatch: pytest.MonkeyPatch) -> No
         seed=7,
     )
     assert seen[0].stream_interval == 2 and seen[0].incremental_streaming_output
+    assert seen[0].preset == "fast" and seen[0].port == 30000
     for bad in (["--error-rate", "503"], ["--drop-rate", "0.7", "--error-rate", "503=0.5"]):
         result = CliRunner().invoke(app, ["sim", *bad])
         assert result.exit_code == 2 and "error" in result.output

@@ -1,4 +1,5 @@
-"""Pure logic of the SGLang simulator: generation, finish rules, prefix cache, KV scheduling."""
+"""Pure logic of the SGLang simulator: generation, finish rules, protocol, metrics, faults (the
+scheduler and the radix cache are in test_sim_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,11 @@ import pytest
 
 from eaglegen.sim.config import FaultConfig, SimConfig, parse_error_rate
 from eaglegen.sim.engine import (
-    BLOCK_TOKENS,
     DEFAULT_MAX_NEW_TOKENS,
     Completion,
     Finish,
-    Job,
     OutputShape,
-    PrefixCache,
-    RequestState,
     Sampling,
-    Scheduler,
     ThroughputMeter,
     ToolCaller,
     ToolCallTokens,
@@ -34,13 +30,16 @@ from eaglegen.sim.engine import (
     validate_lengths,
 )
 from eaglegen.sim.faults import MALFORMED_BODY, Fault, FaultInjector, choose, error_body
-from eaglegen.sim.metrics import Histogram, Snapshot, parse, render
+from eaglegen.sim.metrics import QUEUE_TIME_BUCKETS, Histogram, Snapshot, parse, render
 from eaglegen.sim.protocol import (
     Limits,
     RequestError,
     ids_for_text,
+    leak,
     parse_generate,
     response_body,
+    strip_special,
+    stripped,
 )
 from eaglegen.sim.streaming import IncrementalText
 from eaglegen.sim.vocab import load_vocab, longest_free_run
@@ -254,204 +253,7 @@ def test_timing_formulas() -> None:
     assert decode_seconds(64, 4.0, 0.15) == pytest.approx(0.0136)
 
 
-# --- prefix cache ---------------------------------------------------------------------------
-
-
-def test_prefix_cache_reports_the_longest_cached_block_prefix() -> None:
-    cache = PrefixCache(capacity_tokens=10_000)
-    a = prompt(1, 100)
-    assert cache.match(cache.block_hashes(a)) == 0
-    cache.insert(cache.block_hashes(a))
-    assert cache.match(cache.block_hashes(a)) == 96  # six full blocks of 16
-    b = a[:40] + prompt(2, 60)  # shares two full blocks with a
-    assert cache.match(cache.block_hashes(b)) == 32
-    cache.clear()
-    assert cache.match(cache.block_hashes(a)) == 0
-
-
-def test_prefix_cache_evicts_least_recently_used_blocks() -> None:
-    cache = PrefixCache(capacity_tokens=4 * BLOCK_TOKENS)
-    a, b = prompt(1, 32), prompt(2, 32)
-    cache.insert(cache.block_hashes(a))
-    cache.insert(cache.block_hashes(b))
-    cache.match(cache.block_hashes(a))  # refresh a
-    cache.insert(cache.block_hashes(prompt(3, 32)))
-    assert cache.match(cache.block_hashes(a)) == 32
-    assert cache.match(cache.block_hashes(b)) == 0
-    assert cache.cached_tokens == 4 * BLOCK_TOKENS
-
-
-# --- scheduler ------------------------------------------------------------------------------
-
-
-def make_job(p: list[int], max_new: int, **kw: Any) -> Job:
-    """A job whose output is the simulator's answer to p, cut at max_new."""
-    completion = generate(p, Sampling(max_new_tokens=max_new, **kw), VOCAB, SHAPE)
-    return Job(p, completion, reserve=len(p) + max_new)
-
-
-def drain(s: Scheduler) -> list[Job]:
-    """Run the scheduler until idle; all finished jobs in order."""
-    finished: list[Job] = []
-    for _ in range(100_000):
-        if not s.has_work():
-            return finished
-        batch = s.admit()
-        if batch is not None:
-            finished += s.finish_prefill(batch)
-        if s.num_decoding:
-            finished += s.decode_step()
-    raise AssertionError("scheduler made no progress")
-
-
-def scheduler(kv: int = 10_000, running: int = 100, prefill: int = 16_384) -> Scheduler:
-    """A scheduler with a fresh cache."""
-    return Scheduler(kv, running, prefill, PrefixCache(kv))
-
-
-def test_each_job_takes_one_decode_step_per_token_after_the_prefill_token() -> None:
-    s = scheduler()
-    job = make_job(prompt(1), 10, ignore_eos=True)
-    s.submit(job)
-    batch = s.admit()
-    assert batch is not None and batch.jobs == (job,) and batch.extend_tokens == 40
-    assert s.finish_prefill(batch) == []
-    steps = 0
-    while not s.decode_step():
-        steps += 1
-    assert steps + 1 == 9  # 1 token from prefill, 9 from decode
-    assert s.used_tokens == 0 and s.reserved_tokens == 0 and s.num_running == 0
-    assert job.state is RequestState.DONE
-
-
-def test_generated_counts_the_tokens_a_stream_may_have_sent() -> None:
-    s = scheduler()
-    job = make_job(prompt(1), 6, ignore_eos=True)
-    s.submit(job)
-    assert s.generated(job) == 0
-    batch = s.admit()
-    assert batch is not None and s.generated(job) == 0  # prefilling
-    s.finish_prefill(batch)
-    counts = [s.generated(job)]
-    while job.state is RequestState.RUNNING:
-        s.decode_step()
-        counts.append(s.generated(job))
-    assert counts == [1, 2, 3, 4, 5, 6]
-    aborted = make_job(prompt(2), 6)
-    s.submit(aborted)
-    s.abort(aborted)
-    assert s.generated(aborted) == 0
-
-
-def test_admission_reserves_prompt_plus_max_new_tokens_fcfs() -> None:
-    s = scheduler(kv=1000)
-    jobs = [make_job(prompt(i, 100), 300) for i in range(4)]  # 400 KV each
-    for job in jobs:
-        s.submit(job)
-    batch = s.admit()
-    assert batch is not None and batch.jobs == tuple(jobs[:2])
-    assert s.num_running == 2 and s.num_waiting == 2 and s.reserved_tokens == 800
-    assert s.used_tokens == 200  # prompts only, before any token
-    s.finish_prefill(batch)
-    assert s.admit() is None  # still no room for the third
-    finished = drain(s)
-    assert sorted(j.key for j in finished) == sorted(j.key for j in jobs)
-    assert s.used_tokens == s.reserved_tokens == 0
-
-
-def test_kv_usage_counts_prompt_and_generated_tokens() -> None:
-    s = scheduler()
-    job = make_job(prompt(1, 50), 20, ignore_eos=True)
-    s.submit(job)
-    batch = s.admit()
-    assert batch is not None
-    s.finish_prefill(batch)
-    for _ in range(5):
-        s.decode_step()
-    assert s.used_tokens == 50 + 1 + 5
-    assert s.tokens_generated == 6
-
-
-def test_max_running_requests_caps_the_batch() -> None:
-    s = scheduler(running=3)
-    for i in range(5):
-        s.submit(make_job(prompt(i), 5))
-    batch = s.admit()
-    assert batch is not None and len(batch.jobs) == 3 and s.num_waiting == 2
-
-
-def test_prefill_batch_is_bounded_by_max_prefill_tokens_but_admits_one() -> None:
-    s = scheduler(prefill=100)
-    big = make_job(prompt(1, 150), 5)
-    small = make_job(prompt(2, 50), 5)
-    s.submit(big)
-    s.submit(small)
-    first = s.admit()
-    assert first is not None and first.jobs == (big,)
-    second = s.admit()
-    assert second is not None and second.jobs == (small,)
-
-
-def test_repeated_prompt_gets_cached_tokens_and_skips_prefill_work() -> None:
-    s = scheduler()
-    p = prompt(1, 100)
-    s.submit(make_job(p, 5))
-    drain(s)
-    again = make_job(p, 5)
-    s.submit(again)
-    batch = s.admit()
-    assert batch is not None
-    assert again.cached_tokens == 96 and batch.extend_tokens == 4
-    assert s.last_cache_hit_rate == pytest.approx(0.96)
-    s.finish_prefill(batch)
-    drain(s)
-    assert s.totals.cached_tokens == 96 and s.totals.requests == 2
-
-
-def test_a_fully_cached_prompt_still_computes_one_token() -> None:
-    s = scheduler()
-    p = prompt(1, 32)
-    s.submit(make_job(p, 3))
-    drain(s)
-    again = make_job(p, 3)
-    s.submit(again)
-    drain(s)
-    assert again.cached_tokens == 31
-
-
-def test_totals_count_finished_requests_exactly() -> None:
-    s = scheduler(kv=3000)
-    jobs = [make_job(prompt(i), 64) for i in range(40)]
-    for job in jobs:
-        s.submit(job)
-    drain(s)
-    assert s.totals.requests == 40
-    assert s.totals.prompt_tokens == sum(j.prompt_tokens for j in jobs)
-    assert s.totals.generation_tokens == sum(j.output_tokens for j in jobs) == s.tokens_generated
-
-
-def test_abort_frees_kv_wherever_the_job_is() -> None:
-    s = scheduler(kv=1000)
-    running = make_job(prompt(1, 100), 400, ignore_eos=True)
-    waiting = make_job(prompt(2, 100), 400)
-    s.submit(running)
-    s.submit(make_job(prompt(3, 100), 400))
-    s.submit(waiting)
-    batch = s.admit()
-    assert batch is not None
-    s.finish_prefill(batch)
-    s.decode_step()
-    s.abort(waiting)
-    s.abort(running)
-    assert waiting.state is running.state is RequestState.ABORTED
-    assert s.num_waiting == 0 and s.num_running == 1 and s.reserved_tokens == 500
-    finished = drain(s)
-    assert len(finished) == 1 and s.used_tokens == 0 and s.reserved_tokens == 0
-
-
-def test_a_job_larger_than_the_pool_is_refused() -> None:
-    with pytest.raises(ValueError):
-        scheduler(kv=100).submit(make_job(prompt(1, 50), 60))
+# --- throughput ----------------------------------------------------------------------------
 
 
 def test_throughput_meter_over_a_window() -> None:
@@ -613,6 +415,33 @@ def test_metrics_render_with_sglang_names_and_parse_back() -> None:
     assert samples['sglang:e2e_request_latency_seconds_bucket{model_name="m",le="0.2"}'] == 1
     assert samples['sglang:e2e_request_latency_seconds_bucket{model_name="m",le="+Inf"}'] == 2
     assert samples['sglang:e2e_request_latency_seconds_count{model_name="m"}'] == 2
+
+
+def test_metrics_render_retraction_counters_ratio_and_queue_time() -> None:
+    snap = Snapshot(
+        *(3, 2, 1500, 0.01, 123.5, 0.25, 159_000, 100, 200, 30, 4),
+        num_retracted_reqs=2,
+        num_retracted_requests_total=7,
+        num_retracted_input_tokens_total=700,
+        num_retracted_output_tokens_total=900,
+        new_token_ratio=0.42,
+    )
+    queue = Histogram(QUEUE_TIME_BUCKETS)
+    queue.observe(0.0)
+    queue.observe(0.3)
+    text = render(snap, Histogram(), "m", queue)
+    samples = parse(text)
+    gauge = '{engine_type="unified",model_name="m",tp_rank="0"}'
+    assert samples[f"sglang:num_retracted_reqs{gauge}"] == 2
+    assert samples[f"sglang:num_retracted_requests_total{gauge}"] == 7
+    assert samples[f"sglang:num_retracted_input_tokens_total{gauge}"] == 700
+    assert samples[f"sglang:num_retracted_output_tokens_total{gauge}"] == 900
+    assert samples[f"sglang:new_token_ratio{gauge}"] == 0.42
+    labels = 'engine_type="unified",model_name="m",tp_rank="0"'
+    assert samples[f'sglang:queue_time_seconds_bucket{{{labels},le="0.0"}}'] == 1
+    assert samples[f'sglang:queue_time_seconds_bucket{{{labels},le="0.5"}}'] == 2
+    assert samples[f"sglang:queue_time_seconds_count{gauge}"] == 2
+    assert "# TYPE sglang:num_retracted_requests_total counter" in text
 
 
 def test_config_validates_and_keeps_faults_off_by_default() -> None:
@@ -802,9 +631,42 @@ def test_leaked_prompt_tokens_break_the_length_invariant_like_the_real_bug() -> 
     item = parse_generate({"input_ids": [5, 6, 7]}, LIMITS).items[0]
     out = natural(prompt(3))
     body = response_body(item, out, text="", cached_tokens=0, e2e_latency=0.1)
-    leaked = response_body(
-        item, out, text="", cached_tokens=0, e2e_latency=0.1, leak_prompt_tokens=True
+    for n, lead in ((1, [7]), (2, [6, 7]), (3, [5, 6, 7]), (10, [5, 6, 7])):
+        leaked = response_body(
+            item, out, text="", cached_tokens=0, e2e_latency=0.1, leak_prompt_tokens=n
+        )
+        assert leaked["output_ids"] == [*lead, *body["output_ids"]]
+        assert leaked["meta_info"] == body["meta_info"]
+        assert leaked["meta_info"]["completion_tokens"] == len(out.output_ids)
+    assert leak([1, 2], [5, 6, 7], 0) == [1, 2]
+
+
+def test_leak_prompt_tokens_is_a_count_and_accepts_the_older_boolean() -> None:
+    assert FaultConfig(leak_prompt_tokens=True).leak_prompt_tokens == 1
+    assert FaultConfig.from_json({"leak_prompt_tokens": True}).leak_prompt_tokens == 1
+    assert FaultConfig.from_json({"leak_prompt_tokens": 4}).leak_prompt_tokens == 4
+    assert FaultConfig.from_json({"leak_prompt_tokens": False}) == FaultConfig()
+    assert FaultConfig(leak_prompt_tokens=2).any_enabled()
+    for bad in ({"leak_prompt_tokens": -1}, {"leak_prompt_tokens": 1.5}):
+        with pytest.raises(ValueError):
+            FaultConfig.from_json(bad)
+
+
+def test_strip_special_tokens_drops_markers_but_keeps_the_final_stop_token() -> None:
+    specials = VOCAB.special_ids()
+    p = next(prompt(i) for i in range(100) if has_tool_call(prompt(i), 0))
+    out = generate(p, UNLIMITED, VOCAB, SHAPE, fixed_calls(2))
+    assert VOCAB.tool_call_begin in out.output_ids and VOCAB.think_end in out.output_ids
+    shown = stripped(out, specials)
+    assert shown.output_ids == [t for t in out.output_ids[:-1] if t not in specials] + [4]
+    assert shown.finish == out.finish
+    item = parse_generate({"input_ids": [5, 6, 7]}, LIMITS).items[0]
+    body = response_body(item, shown, text="", cached_tokens=0, e2e_latency=0.1)
+    assert (
+        body["meta_info"]["completion_tokens"] == len(shown.output_ids) == len(body["output_ids"])
     )
-    assert leaked["output_ids"] == [5, 6, 7, *body["output_ids"]]
-    assert leaked["meta_info"] == body["meta_info"]
-    assert leaked["meta_info"]["completion_tokens"] == len(out.output_ids)
+    # A cut output has no final stop token to keep; an unfinished stream chunk neither.
+    cut = generate(p, Sampling(max_new_tokens=len(out.output_ids)), VOCAB, SHAPE, fixed_calls(2))
+    assert cut.finish.type == "length" and VOCAB.im_end not in stripped(cut, specials).output_ids
+    assert strip_special([20, 10, 21, 4], specials, final_stop=False) == [20, 21]
+    assert FaultConfig.from_json({"strip_special_tokens": True}).strip_special_tokens
