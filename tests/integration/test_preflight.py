@@ -6,8 +6,13 @@ import socket
 
 import psycopg
 import pytest
+from alembic.script import ScriptDirectory
 
 from eaglegen.preflight import ServiceError, check_broker, check_database
+from models.db import alembic_config
+
+# The newest migration: what this eaglegen asks an older schema to be upgraded to.
+HEAD = ScriptDirectory.from_config(alembic_config("postgresql://unused/db")).get_current_head()
 
 
 def closed_port() -> int:
@@ -34,7 +39,7 @@ def test_a_migrated_database_and_a_live_redis_pass(database_url: str, broker_url
     ("revision", "message"),
     [
         (None, "no eaglegen schema in this database; run `eaglegen db upgrade`"),
-        ("0002", "schema at revision 0002, this eaglegen needs 0006; run `eaglegen db upgrade`"),
+        ("0002", f"schema at revision 0002, this eaglegen needs {HEAD}; run `eaglegen db upgrade`"),
         ("9999", "schema at revision 9999, which this eaglegen does not know"),
     ],
 )
