@@ -92,11 +92,15 @@ def test_a_huge_line_is_rejected_unread_and_memory_stays_flat(
         handle.writelines(json.dumps(row) + "\n" for row in rows(3))
         handle.write(json.dumps({"prompt": "x" * (50 << 20)}) + "\n")
         handle.writelines(json.dumps(row) + "\n" for row in rows(6, start=3))
-    # The CLI in a process of its own that reports its own peak memory (templating in it).
+    # The CLI in a process of its own that reports its own peak memory (templating in it):
+    # VmHWM, the high-water mark of its own memory map. Not getrusage's ru_maxrss, which
+    # Linux carries across exec from the forking parent (a pytest process grown large by
+    # the tests before this one would be measured instead).
     script = (
-        "import resource, sys; from eaglegen.__main__ import main\n"
+        "import sys; from eaglegen.__main__ import main\n"
         "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
-        "print('peak_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
+        "print('peak_kb', hwm.split()[1])\n"
         "sys.exit(code)\n"
     )
     args = ["enqueue", "--run", "r", "--dataset", "d", "--tokenizer", str(TOKENIZER_DIR)]
