@@ -50,9 +50,7 @@ class StatusQueries:
             windows_s=WINDOWS_S,
             datasets=[_dataset(d, [r for r in recent if r.dataset_id == d.id]) for d in datasets],
             servers=_servers(recent, errors),
-            unattributed_errors=dict(
-                Counter({e.kind: int(e.n) for e in errors if e.server is None})
-            ),
+            unattributed_errors=_unattributed(errors),
         )
 
 
@@ -142,6 +140,15 @@ def _dataset(row: Any, recent: Sequence[Any]) -> DatasetStatus:
         last_done_at=row.last_done_at,
         windows=_windows(recent),
     )
+
+
+def _unattributed(errors: Sequence[Any]) -> dict[str, int]:
+    """Failed attempts no server is to blame for, by class, over every dataset."""
+    counts: Counter[str] = Counter()
+    for error in errors:
+        if error.server is None:
+            counts[error.kind] += int(error.n)
+    return dict(counts)
 
 
 def _servers(recent: Sequence[Any], errors: Sequence[Any]) -> list[ServerStatus]:

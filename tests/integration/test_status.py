@@ -133,20 +133,22 @@ def test_failed_attempts_show_by_server_and_class(settings: Settings, repo: Repo
         assert repo.release(job_id, "w", "boom", server="gpu-a", kind=kind)
     assert repo.claim(ids[3], "w", 60).outcome == "claimed"
     assert repo.fail(ids[3], "w", "bad", server="gpu-b", kind="invalid_response")
-    # A lapsed lease blames no server.
-    assert repo.claim(ids[0], "w", 60).outcome == "claimed"
+    # A lapsed lease blames no server; lapses in two datasets add up.
+    other = repo.ensure_dataset(run_id, DatasetSpec("e", "s", {"max_new_tokens": 8}))
+    [elsewhere] = repo.insert_jobs(other, [NewJob(0, [9, 9, 9], {})])
+    for job_id in (ids[0], elsewhere):
+        assert repo.claim(job_id, "w", 60).outcome == "claimed"
     with repo.engine.begin() as conn:
-        conn.execute(text("UPDATE jobs SET lease_until = now() - interval '1 s' WHERE id = :i"),
-                     {"i": ids[0]})  # fmt: skip
-    assert repo.expire_leases(max_attempts=5) == [ids[0]]
+        conn.execute(text("UPDATE jobs SET lease_until = now() - interval '1 s'"))
+    assert sorted(repo.expire_leases(max_attempts=5)) == sorted([ids[0], elsewhere])
     # A shutdown's release is no failure of the attempt.
     assert repo.claim(ids[1], "w", 60).outcome == "claimed"
     assert repo.release(ids[1], "w", "worker stopping", refund=True)
     document = status_json(settings)
     servers = {s["name"]: s["errors"] for s in document["servers"]}
     assert servers == {"gpu-a": {"timeout": 2, "http_5xx": 1}, "gpu-b": {"invalid_response": 1}}
-    assert document["errors_without_server"] == {"lease_expired": 1}
-    [d] = document["datasets"]
+    assert document["errors_without_server"] == {"lease_expired": 2}
+    [d, _] = document["datasets"]
     assert d["jobs"]["queued"] == 3 and d["jobs"]["failed"] == 1
     assert d["eta_s"] is None and d["finished"] is None  # nothing done lately: unknown
     assert InspectRepository(repo.engine).audit(lease_grace_s=60) == []
