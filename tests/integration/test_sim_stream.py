@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -172,19 +172,29 @@ def test_chunks_arrive_as_the_model_decodes() -> None:
     assert max(gaps) < 0.2
 
 
-def test_a_client_leaving_mid_stream_frees_its_request(
-    sim: SimServer, client: httpx.Client
-) -> None:
-    before = metric_values(client)
-    call = payload(7, max_new=3000, ignore_eos=True)
+def test_a_client_leaving_mid_stream_frees_its_request() -> None:
+    # Decoding slow enough that the request still runs when the client leaves, however
+    # loaded the machine (3,000 tokens take 30 s here; the test takes well under one).
     with (
-        httpx.Client(base_url=sim.url, timeout=30) as leaving,
-        leaving.stream("POST", "/generate", json=call) as response,
+        SimServer(replace(FAST, decode_step_ms=10.0)) as sim,
+        httpx.Client(base_url=sim.url, timeout=30) as client,
     ):
-        first = next(line for line in response.iter_lines() if line)
-        assert json.loads(first.removeprefix("data: "))["meta_info"]["completion_tokens"] == 1
-        assert metric_values(client)[f"sglang:num_running_reqs{GAUGE}"] == 1
-    after = wait_idle(client)
+        before = metric_values(client)
+        call = payload(7, max_new=3000, ignore_eos=True)
+        with (
+            httpx.Client(base_url=sim.url, timeout=30) as leaving,
+            leaving.stream("POST", "/generate", json=call) as response,
+        ):
+            first = next(line for line in response.iter_lines() if line)
+            meta = json.loads(first.removeprefix("data: "))["meta_info"]
+            assert meta["completion_tokens"] == 1
+            # Counted running while its client is there (polled: the first chunk can reach
+            # the client before a loaded machine's scheduler thread has run again).
+            deadline = time.monotonic() + 5.0
+            while metric_values(client)[f"sglang:num_running_reqs{GAUGE}"] != 1:
+                assert time.monotonic() < deadline, "the streaming request is not running"
+                time.sleep(0.05)
+        after = wait_idle(client)
     assert after[f"sglang:num_running_reqs{GAUGE}"] == 0
     assert after[f"sglang:token_usage{GAUGE}"] == 0
     # Aborted, not finished: the request counts nowhere.
