@@ -24,7 +24,6 @@ import argparse
 import gc
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +36,7 @@ import psycopg
 import redis
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
-from bench.procs import descendants
+from bench.procs import descendants, eaglegen_command
 from core.broker import Publisher
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
@@ -129,7 +128,7 @@ def rss(sizes: list[int], admin_url: str, broker: str, workers: int | None) -> N
                 "EAGLEGEN_QUEUE": f"bench-rss-{n}",
             }
             command = [
-                *_eaglegen_command(),
+                *eaglegen_command(),
                 *("enqueue", "--json", "--run", f"rss{n}"),
                 *("--dataset", "d", "--tokenizer", str(TOKENIZER_DIR), str(path)),
                 *(() if workers is None else ("--workers", str(workers))),
@@ -145,12 +144,6 @@ def rss(sizes: list[int], admin_url: str, broker: str, workers: int | None) -> N
             f" with its {peak.helpers} helper processes, PSS together {peak.all_pss_mb:.0f} MB"
             f" (enqueue {seconds:.1f} s, {n / seconds:,.0f} prompts/s)"
         )
-
-
-def _eaglegen_command() -> list[str]:
-    """The installed `eaglegen` console script, as users run it (else `python -m eaglegen`)."""
-    script = Path(sys.executable).with_name("eaglegen")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "eaglegen"]
 
 
 @dataclass

@@ -23,10 +23,8 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +32,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from bench.common import scratch_database
+from bench.procs import eaglegen_command, peak_rss_samples
 from eaglegen.assets import TOKENIZER_DIR, special_ids
 from models.db import make_engine
 from models.records import DatasetSpec, JobBatch, RunSpec, prompt_sha256
@@ -161,37 +160,18 @@ def measure(
     flags = {"parquet": [], "jsonl": ["--jsonl"], "hf-dataset": ["--hf-dataset"]}[writer]
     flags = [*flags, *extra]
     command = [
-        *_eaglegen_command(),
+        *eaglegen_command(),
         *("export", RUN, str(out), "--json", "--shard-mb", str(shard_mb), *flags),
     ]
     env = {**os.environ, "EAGLEGEN_DATABASE_URL": url}
     report = out.with_name("report.json")  # a file: a pipe left unread would block it
     start = time.perf_counter()
     with report.open("wb") as stdout, subprocess.Popen(command, env=env, stdout=stdout) as process:
-        peak = max(_samples(process), default=0.0)
+        peak = max(peak_rss_samples(process), default=0.0)
     seconds = time.perf_counter() - start
     if process.returncode != 0:
         raise SystemExit(f"eaglegen export failed ({process.returncode})")
     return seconds, peak, int(json.loads(report.read_bytes())["rows"])
-
-
-def _samples(process: subprocess.Popen[bytes]) -> Iterator[float]:
-    """The process's RSS high-water mark (MB), every 50 ms until it ends."""
-    while process.poll() is None:
-        try:
-            status = Path(f"/proc/{process.pid}/status").read_text()
-        except OSError:
-            return
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                yield int(line.split()[1]) / 1024
-        time.sleep(0.05)
-
-
-def _eaglegen_command() -> list[str]:
-    """The installed `eaglegen` console script (else `python -m eaglegen`)."""
-    script = Path(sys.executable).with_name("eaglegen")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "eaglegen"]
 
 
 def main() -> None:

@@ -20,16 +20,15 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 from tokenizers import Tokenizer
 
 from bench.common import scratch_database
+from bench.procs import eaglegen_command, peak_rss_samples
 from eaglegen.assets import TOKENIZER_DIR
 from models.tokens import pack
 
@@ -150,37 +149,19 @@ def populate(url: str, n: int) -> None:
 
 def measure(url: str, *flags: str) -> tuple[float, float, dict[str, object]]:
     """Run `eaglegen stats RUN --json FLAGS`: (seconds, peak RSS MB, its document)."""
-    command = [*_eaglegen_command(), "stats", RUN, "--json", *flags]
+    command = [*eaglegen_command(), "stats", RUN, "--json", *flags]
     env = {**os.environ, "EAGLEGEN_DATABASE_URL": url}
     with tempfile.TemporaryFile() as stdout:
         start = time.perf_counter()
         with subprocess.Popen(
             command, env=env, stdout=stdout, stderr=subprocess.DEVNULL
         ) as process:
-            peak = max(_samples(process), default=0.0)
+            peak = max(peak_rss_samples(process), default=0.0)
         seconds = time.perf_counter() - start
         if process.returncode != 0:
             raise SystemExit(f"eaglegen stats failed ({process.returncode})")
         stdout.seek(0)
         return seconds, peak, json.loads(stdout.read())
-
-
-def _samples(process: subprocess.Popen[bytes]) -> Iterator[float]:
-    """The process's RSS high-water mark (MB), every 50 ms until it ends."""
-    while process.poll() is None:
-        try:
-            status = Path(f"/proc/{process.pid}/status").read_text()
-        except OSError:
-            return
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                yield int(line.split()[1]) / 1024
-        time.sleep(0.05)
-
-
-def _eaglegen_command() -> list[str]:
-    script = Path(sys.executable).with_name("eaglegen")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "eaglegen"]
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from core.settings import ServerSpec, Services, Settings
 from eaglegen.report.text import inline
-from eaglegen.stack import MissingExtraError, read_stack_file
+from eaglegen.stack import FLOWER_AUTH_ENV, MissingExtraError, read_stack_file
 
 if TYPE_CHECKING:
     from models.repository import Repository
@@ -36,6 +36,14 @@ DatabaseUrl = Annotated[
 BrokerUrl = Annotated[str | None, typer.Option(envvar="EAGLEGEN_BROKER_URL", help="Redis URL")]
 DataDir = Annotated[Path | None, typer.Option(envvar="EAGLEGEN_DATA_DIR", help="Data directory")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+FlowerLogin = Annotated[
+    str | None,
+    typer.Option(
+        envvar=[FLOWER_AUTH_ENV, "FLOWER_BASIC_AUTH"],
+        help="USER:PASSWORD (several joined by commas), required off loopback; prefer "
+        "the environment variable, a flag is visible to every user of the host",
+    ),
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")

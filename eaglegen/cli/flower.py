@@ -6,8 +6,7 @@ from typing import Annotated
 
 import typer
 
-from eaglegen.cli.base import BrokerUrl, DataDir, command, err, load_settings
-from eaglegen.stack import FLOWER_AUTH_ENV
+from eaglegen.cli.base import BrokerUrl, DataDir, FlowerLogin, command, err, load_settings
 
 app = typer.Typer()
 
@@ -18,14 +17,7 @@ def flower(
         str, typer.Option(help="Bind address; beyond loopback it needs --basic-auth")
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port")] = 5555,
-    basic_auth: Annotated[
-        str | None,
-        typer.Option(
-            envvar=[FLOWER_AUTH_ENV, "FLOWER_BASIC_AUTH"],
-            help="USER:PASSWORD (several joined by commas), required off loopback; prefer "
-            "the environment variable, a flag is visible to every user of the host",
-        ),
-    ] = None,
+    basic_auth: FlowerLogin = None,
     broker_url: BrokerUrl = None,
     data_dir: DataDir = None,
 ) -> None:

@@ -10,13 +10,13 @@ from eaglegen.cli.base import (
     BrokerUrl,
     DatabaseUrl,
     DataDir,
+    FlowerLogin,
     JsonFlag,
     command,
     emit_json,
     err,
     load_settings,
 )
-from eaglegen.stack import FLOWER_AUTH_ENV
 
 app = typer.Typer()
 
@@ -52,14 +52,7 @@ def up(
     broker_url: BrokerUrl = None,
     flower_address: Annotated[str, typer.Option(help="Flower bind address")] = "127.0.0.1",
     flower_port: Annotated[int, typer.Option(help="Flower port")] = 5555,
-    flower_basic_auth: Annotated[
-        str | None,
-        typer.Option(
-            envvar=[FLOWER_AUTH_ENV, "FLOWER_BASIC_AUTH"],
-            help="USER:PASSWORD (several joined by commas), required off loopback; prefer "
-            "the environment variable, a flag is visible to every user of the host",
-        ),
-    ] = None,
+    flower_basic_auth: FlowerLogin = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Start embedded Postgres and Redis (unless configured) and Flower; migrate the schema."""

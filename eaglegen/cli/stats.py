@@ -44,6 +44,7 @@ TrustRemoteCode = Annotated[
     bool, typer.Option(help="Let the tokenizer run its own Python code (tokenization_*.py)")
 ]
 Seed = Annotated[int, typer.Option(help="Seed of the sample")]
+PromptTail = Annotated[int, typer.Option(min=0, help="Prompt ids shown before the output")]
 
 
 class Where(StrEnum):
@@ -96,9 +97,7 @@ def stats(
 @command(app)
 def show(
     job_id: Annotated[int, typer.Argument(help="The job to show")],
-    prompt_tail: Annotated[
-        int, typer.Option(min=0, help="Prompt ids shown before the output")
-    ] = 48,
+    prompt_tail: PromptTail = 48,
     tokenizer: TokenizerPath = None,
     trust_remote_code: TrustRemoteCode = False,
     json_out: JsonFlag = False,
@@ -123,9 +122,7 @@ def sample(
     n: Annotated[int, typer.Option("-n", min=1, help="How many generations")] = 5,
     where: Annotated[Where | None, typer.Option(help="Only generations of this kind")] = None,
     seed: Seed = 0,
-    prompt_tail: Annotated[
-        int, typer.Option(min=0, help="Prompt ids shown before the output")
-    ] = 48,
+    prompt_tail: PromptTail = 48,
     tokenizer: TokenizerPath = None,
     trust_remote_code: TrustRemoteCode = False,
     json_out: JsonFlag = False,

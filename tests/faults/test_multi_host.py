@@ -132,10 +132,9 @@ class Forward:
     @staticmethod
     def _pipe(source: socket.socket, sink: socket.socket) -> None:
         try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):  # either side closed: the pipe is done
+                while data := source.recv(65536):
+                    sink.sendall(data)
         finally:
             for s in (source, sink):
                 with contextlib.suppress(OSError):

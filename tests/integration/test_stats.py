@@ -17,7 +17,7 @@ from sqlalchemy import Engine, select
 from tokenizers import Tokenizer
 
 from core.settings import Settings
-from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.assets import TOKENIZER_DIR, special_ids
 from eaglegen.report.stats import Scope, Vocabulary, collect
 from eaglegen.sim import FaultConfig, SimConfig, SimServer
 from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
@@ -29,14 +29,10 @@ from tests.integration.test_pipeline import worker
 from worker.reasoning import split_reasoning
 
 TOKENIZER = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
-TID = TOKENIZER.token_to_id
-EOS, THINK_END = TID("<|im_end|>"), TID("</think>")
-SB, SE = TID("<|tool_calls_section_begin|>"), TID("<|tool_calls_section_end|>")
-CB, AB, CE = (
-    TID("<|tool_call_begin|>"),
-    TID("<|tool_call_argument_begin|>"),
-    TID("<|tool_call_end|>"),
-)
+IDS = special_ids()
+EOS, THINK_END = IDS.im_end, IDS.think_end
+SB, SE = IDS.tool_calls_section_begin, IDS.tool_calls_section_end
+CB, AB, CE = IDS.tool_call_begin, IDS.tool_call_argument_begin, IDS.tool_call_end
 CALL = re.compile(
     r"<\|tool_call_begin\|>functions\.(.+?):\d+<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
     re.S,

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from core.anatomy import dissect, markers_from_vocab, parse_calls
-from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.assets import TOKENIZER_DIR, special_ids
 from eaglegen.report.html import page
 from eaglegen.report.plots import label, plots
 from eaglegen.report.quality import (
@@ -29,14 +29,10 @@ from eaglegen.report.stats import sparkline
 from models.stats import Detail, Histogram, Spread
 
 TOKENIZER = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
-TID = TOKENIZER.token_to_id
-EOS, THINK_END = TID("<|im_end|>"), TID("</think>")
-SB, SE = TID("<|tool_calls_section_begin|>"), TID("<|tool_calls_section_end|>")
-CB, AB, CE = (
-    TID("<|tool_call_begin|>"),
-    TID("<|tool_call_argument_begin|>"),
-    TID("<|tool_call_end|>"),
-)
+IDS = special_ids()
+EOS, THINK_END = IDS.im_end, IDS.think_end
+SB, SE = IDS.tool_calls_section_begin, IDS.tool_calls_section_end
+CB, AB, CE = IDS.tool_call_begin, IDS.tool_call_argument_begin, IDS.tool_call_end
 MARKERS = markers_from_vocab(TOKENIZER.get_vocab(), [EOS])
 
 
