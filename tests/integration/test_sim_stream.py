@@ -185,7 +185,11 @@ def test_a_client_leaving_mid_stream_frees_its_request() -> None:
             httpx.Client(base_url=sim.url, timeout=30) as leaving,
             leaving.stream("POST", "/generate", json=call) as response,
         ):
-            first = next(line for line in response.iter_lines() if line)
+            # The line iterator is held for the whole block: a temporary one would be closed
+            # (and httpx would close the connection, leaving at once) as soon as the first
+            # line is read, so the request would be gone before the check below could see it.
+            lines = response.iter_lines()
+            first = next(line for line in lines if line)
             meta = json.loads(first.removeprefix("data: "))["meta_info"]
             assert meta["completion_tokens"] == 1
             # Counted running while its client is there (polled: the first chunk can reach
