@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 
-from core import wire
+from core import keys, wire
 
 SCAN_CHUNK = 5000
 # One LPUSH carries at most this many bytes of messages: every command must fit the
@@ -83,6 +83,10 @@ class Publisher:
             pool.release(connection)
         return len(messages)
 
+    def wake_feeder(self) -> None:
+        """Tell the feeder this queue has new work (``wake_feeder``)."""
+        wake_feeder(self._client, self.queue)
+
     def close(self) -> None:
         """Release the connection."""
         self._client.close()
@@ -106,6 +110,14 @@ def eviction_warning(client: redis.Redis) -> str | None:
         "without a word (the reconciler publishes them again from Postgres, late); set "
         "maxmemory-policy noeviction"
     )
+
+
+def wake_feeder(client: redis.Redis, queue: str) -> None:
+    """Tell the feeder there is work to publish now, not at its next look."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.lpush(keys.feeder_wake(queue), 1)
+        pipe.ltrim(keys.feeder_wake(queue), 0, 0)
+        pipe.execute()
 
 
 def redis_now(client: redis.Redis) -> float:

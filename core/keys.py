@@ -28,3 +28,18 @@ def heartbeat_pattern(host: str | None = None) -> str:
 def reconciler_lock(queue: str) -> str:
     """Held by the one worker that runs the periodic reconciler of ``queue``'s jobs."""
     return f"{PREFIX}:reconciler:{queue}"
+
+
+def feeder_lock(queue: str) -> str:
+    """Held by the one worker that publishes ``queue``'s window (worker.feeder)."""
+    return f"{PREFIX}:feeder:{queue}"
+
+
+def feeder_wake(queue: str) -> str:
+    """A list of at most one element: pushed to wake the feeder (new jobs, a raised budget)."""
+    return f"{PREFIX}:feeder-wake:{queue}"
+
+
+def feeder_report(queue: str) -> str:
+    """The feeder's last pass (window, messages in Redis), for `status`; expires."""
+    return f"{PREFIX}:feeder-report:{queue}"

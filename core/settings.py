@@ -102,8 +102,14 @@ class Settings(BaseSettings):
     health_interval_s: float = Field(default=10.0, gt=0)
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
     reconcile_interval_s: float = Field(default=60.0, gt=0)
-    # A queued job unchanged this long whose message is missing from Redis is published again.
+    # A queued job published this long ago whose message is missing from Redis is published
+    # again (by the feeder, in its order).
     republish_after_s: float = Field(default=30.0, ge=0)
+    # Messages the feeder keeps waiting in Redis (worker.feeder); None: twice what the live
+    # workers can run at once.
+    window: int | None = Field(default=None, ge=1)
+    # The feeder's pass interval when nothing wakes it (an enqueue or a budget raise does).
+    feed_interval_s: float = Field(default=1.0, gt=0)
     budget_defer_s: float = Field(default=5.0, ge=0)
     retry_base_s: float = Field(default=1.0, ge=0)
     retry_cap_s: float = Field(default=60.0, ge=0)

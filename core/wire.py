@@ -27,6 +27,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 TASK_GENERATE = "eaglegen.generate"
+# The custom event of a budget-skipped job: Flower shows an unknown ``task-*`` event as a
+# state of that name, here SKIPPED, neither a success nor a failure.
+SKIPPED_EVENT = "task-skipped"
+SKIPPED_RESULT = "skipped_budget"
+_TASK_IDS = uuid.UUID("6f1d4a52-8f4e-4c59-9d55-3c1f0e6b2a10")
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 _EMBED_JSON = json.dumps(_EMBED).encode()
 _SEP = " · "
@@ -49,6 +54,14 @@ def tag_of(job_id: int, argsrepr: object) -> str:
     if isinstance(argsrepr, str) and argsrepr.startswith(head + _SEP):
         return argsrepr[len(head) :]
     return ""
+
+
+def job_task_id(queue: str, job_id: int) -> str:
+    """The Celery task id of every message of one job: Flower follows a job as one task
+    through its retries, deferrals and re-publishes, as it does for Celery's own
+    ``Task.retry`` (a duplicate message only repeats a state). UUID-shaped, derived from
+    the queue and the job id."""
+    return str(uuid.uuid5(_TASK_IDS, f"{queue}:{int(job_id)}"))
 
 
 def body(job_id: int) -> bytes:
@@ -146,10 +159,9 @@ class EnvelopeFactory:
         pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", template)
         self._literals = pieces[0::2]
         self._order = [marks[mark] for mark in pieces[1::2]]
-        # Task ids and delivery tags must be unique per message (kombu keys a worker's
-        # unacked messages by the tag): a random prefix per factory and a counter make them
-        # so, in UUID shape, without two uuid4() calls a message.
-        self._id_prefix = str(uuid.uuid4())[:24]
+        # Delivery tags must be unique per message (kombu keys a worker's unacked messages
+        # by the tag): a random prefix per factory and a counter make them so, in UUID
+        # shape, without a uuid4() call a message. Task ids are the job's (job_task_id).
         self._tag_prefix = str(uuid.uuid4())[:24]
         self._serial = itertools.count()
         self._escaped: dict[str, str] = {}
@@ -160,7 +172,7 @@ class EnvelopeFactory:
         job_id = int(job_id)  # never anything but digits inside the template
         serial = self._next_serial()
         values = (
-            self._id_prefix + serial,
+            job_task_id(self.queue, job_id),
             f"{{'job_id': {job_id}}}",
             base64.b64encode(body(job_id)).decode(),
             self._tag_prefix + serial,
@@ -195,8 +207,7 @@ class EnvelopeFactory:
     ) -> str:
         """A job sent back after an attempt: run after ``countdown`` s, ``retries`` so far.
 
-        ``task_id``: the id of the message it replaces, so that Flower follows one task
-        through its retries as it does for Celery's own ``Task.retry``.
+        ``task_id``: the id of the message it replaces (by default the job's own).
         """
         serial = self._next_serial()
         return json.dumps(
@@ -204,7 +215,7 @@ class EnvelopeFactory:
                 job_id,
                 queue=self.queue,
                 origin=self.origin,
-                task_id=task_id or self._id_prefix + serial,
+                task_id=task_id or job_task_id(self.queue, job_id),
                 delivery_tag=self._tag_prefix + serial,
                 countdown=countdown,
                 retries=retries,

@@ -67,7 +67,8 @@ class BudgetQueries:
             return conn.scalar(select(Dataset.budget_tokens).where(Dataset.id == dataset_id))
 
     def set_budget(self, run: str | None, dataset: str, budget: int | None) -> list[int]:
-        """Change a dataset's budget; jobs it no longer holds back are re-queued (their ids)."""
+        """Change a dataset's budget; jobs it no longer holds back are re-queued, for the
+        feeder to publish (their ids)."""
         with self.engine.begin() as conn:
             stmt = select(Dataset.id, Dataset.used_tokens).join(Run, Run.id == Dataset.run_id)
             stmt = stmt.where(Dataset.name == dataset).with_for_update(of=Dataset)
@@ -87,7 +88,12 @@ class BudgetQueries:
             requeued = conn.scalars(
                 update(Job)
                 .where(Job.dataset_id == dataset_id, Job.state == JobState.SKIPPED_BUDGET.value)
-                .values(state=JobState.QUEUED.value, updated_at=func.now())
+                .values(
+                    state=JobState.QUEUED.value,
+                    published_at=None,
+                    not_before=None,
+                    updated_at=func.now(),
+                )
                 .returning(Job.id)
             ).all()
             conn.execute(

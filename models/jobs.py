@@ -77,11 +77,20 @@ class JobQueries:
         refund: bool = False,
         server: str | None = None,
         kind: str | None = None,
+        retry_in_s: float = 0.0,
     ) -> bool:
-        """Give a running job back to the queue; ``refund`` when it was not its fault.
-        With ``kind``, the attempt is counted as failed (on ``server``) for `status`."""
+        """Give a running job back to the queue, for the feeder to publish again in its
+        order after ``retry_in_s``; ``refund`` when it was not its fault. With ``kind``, the
+        attempt is counted as failed (on ``server``) for `status`."""
         return self._end_attempt(
-            job_id, worker, JobState.QUEUED, error, refund=refund, server=server, kind=kind
+            job_id,
+            worker,
+            JobState.QUEUED,
+            error,
+            refund=refund,
+            server=server,
+            kind=kind,
+            retry_in_s=retry_in_s,
         )
 
     def fail(
@@ -106,6 +115,7 @@ class JobQueries:
         refund: bool = False,
         server: str | None,
         kind: str | None,
+        retry_in_s: float = 0.0,
     ) -> bool:
         with self.engine.begin() as conn:
             job = _lock_running(conn, job_id, worker)
@@ -113,7 +123,7 @@ class JobQueries:
                 return False
             if kind is not None:
                 _count_failure(conn, [job.dataset_id], server, kind)
-            _settle(conn, job, target, used=0, error=error, refund=refund)
+            _settle(conn, job, target, used=0, error=error, refund=refund, retry_in_s=retry_in_s)
         return True
 
     def extend_leases(self, job_ids: list[int], worker: str, lease_seconds: int) -> int:
@@ -184,19 +194,6 @@ class JobQueries:
                 )
                 found.update({int(i): (r, d) for i, r, d in conn.execute(stmt)})
         return found
-
-    def queued_job_ids(self, idle_seconds: float) -> list[int]:
-        """Queued jobs that have not changed for ``idle_seconds``."""
-        stmt = (
-            select(Job.id)
-            .where(
-                Job.state == JobState.QUEUED.value,
-                Job.updated_at < func.now() - timedelta(seconds=idle_seconds),
-            )
-            .order_by(Job.id)
-        )
-        with self.engine.connect() as conn:
-            return [int(i) for i in conn.scalars(stmt)]
 
 
 def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Claim:
@@ -348,9 +345,11 @@ def _settle(
     error: str | None,
     refund: bool = False,
     counted: dict[str, Any] | None = None,
+    retry_in_s: float = 0.0,
 ) -> None:
     """Move a locked running job to ``target`` and return its reservation to the ledger;
-    ``counted``: more dataset counters to move (a recorded generation's)."""
+    ``counted``: more dataset counters to move (a recorded generation's). A job back in
+    `queued` has no message out: the feeder publishes it in its order after ``retry_in_s``."""
     values: dict[str, Any] = {
         "state": target.value,
         "reserved_tokens": 0,
@@ -360,6 +359,11 @@ def _settle(
     }
     if target in (JobState.DONE, JobState.FAILED):
         values["finished_at"] = func.now()
+    if target is JobState.QUEUED:
+        values["published_at"] = None
+        values["not_before"] = (
+            func.now() + timedelta(seconds=retry_in_s) if retry_in_s > 0 else None
+        )
     if refund:
         values["attempts"] = Job.attempts - 1
     conn.execute(update(Job).where(Job.id == job.id).values(**values))

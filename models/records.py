@@ -26,6 +26,8 @@ class RunSpec:
     package_versions: dict[str, str] = field(default_factory=dict)
     think_end_id: int | None = None
     vocab_size: int | None = None
+    # The publishing order's seed (models.order); None: a new run draws one.
+    order_seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -260,6 +262,10 @@ class StatusSnapshot:
     servers: list[ServerStatus]
     # Failed attempts no server is to blame for (a lapsed lease), by class.
     unattributed_errors: dict[str, int]
+    # Each run's publishing order seed (models.order).
+    order_seeds: dict[str, int] = field(default_factory=dict)
+    # Queued jobs (of the datasets shown) that have a message out: the window's Postgres side.
+    published: int = 0
 
 
 @dataclass(frozen=True)

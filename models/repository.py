@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any
 
@@ -15,7 +15,9 @@ from models.audit import AuditQueries
 from models.budgets import BudgetQueries
 from models.counters import moved
 from models.export import ExportQueries
+from models.feed import FeedQueries
 from models.jobs import JobQueries
+from models.order import new_seed, sort_key
 from models.records import (
     DatasetCounts,
     DatasetSpec,
@@ -46,31 +48,39 @@ class DatasetMismatchError(ValueError):
 _CREATE_STAGE = """
     CREATE TEMP TABLE IF NOT EXISTS job_stage (
         row_index integer, prompt_sha256 bytea, input_ids bytea, prompt_tokens integer,
-        messages text, opens_reasoning boolean
+        messages text, opens_reasoning boolean, sort_key bigint
     ) ON COMMIT DELETE ROWS
 """
 _COPY_STAGE = "COPY job_stage FROM STDIN (FORMAT BINARY)"
-_STAGE_TYPES = ("integer", "bytea", "bytea", "integer", "text", "bool")
+_STAGE_TYPES = ("integer", "bytea", "bytea", "integer", "text", "bool", "bigint")
 _NEW_IDS = "SELECT nextval(pg_get_serial_sequence('jobs', 'id')) FROM generate_series(1, %s)"
 _COPY_JOBS = (
     "COPY jobs (id, dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages,"
-    " opens_reasoning) FROM STDIN (FORMAT BINARY)"
+    " opens_reasoning, sort_key) FROM STDIN (FORMAT BINARY)"
 )
 # The messages are JSON text already, and json's binary form is its text.
-_JOB_TYPES = ("bigint", "bigint", "integer", "bytea", "bytea", "integer", "text", "bool")
+_JOB_TYPES = ("bigint", "bigint", "integer", "bytea", "bytea", "integer", "text", "bool", "bigint")
 _INSERT_STAGED = """
     INSERT INTO jobs (
-        dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages, opens_reasoning
+        dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages, opens_reasoning,
+        sort_key
     )
-    SELECT %s, row_index, prompt_sha256, input_ids, prompt_tokens, messages::json, opens_reasoning
+    SELECT %s, row_index, prompt_sha256, input_ids, prompt_tokens, messages::json, opens_reasoning,
+        sort_key
     FROM job_stage ORDER BY row_index
     ON CONFLICT (dataset_id, prompt_sha256) DO NOTHING
     RETURNING id
 """
 
 
+def _keyed_rows(batch: JobBatch, seed: int) -> Iterator[tuple[Any, ...]]:
+    """The batch's rows, each with its sort key (models.order) appended."""
+    for row in batch.rows():
+        yield (*row, sort_key(seed, row[1]))
+
+
 def _copy_new_jobs(
-    cursor: psycopg.Cursor[Any], dataset_id: int, batch: JobBatch
+    cursor: psycopg.Cursor[Any], dataset_id: int, batch: JobBatch, seed: int
 ) -> list[int] | None:
     """COPY the batch straight into `jobs`; None (and nothing written) if one exists."""
     cursor.execute("SAVEPOINT new_jobs")
@@ -79,7 +89,7 @@ def _copy_new_jobs(
         ids = sorted(int(r[0]) for r in cursor.fetchall())
         with cursor.copy(_COPY_JOBS) as copy:
             copy.set_types(_JOB_TYPES)
-            in_row_order = sorted(batch.rows(), key=itemgetter(0))  # as the ids ascend
+            in_row_order = sorted(_keyed_rows(batch, seed), key=itemgetter(0))  # as ids ascend
             for job_id, row in zip(ids, in_row_order, strict=True):
                 copy.write_row((job_id, dataset_id, *row))
     except psycopg.errors.UniqueViolation:
@@ -89,18 +99,22 @@ def _copy_new_jobs(
     return ids
 
 
-def _insert_staged(cursor: psycopg.Cursor[Any], dataset_id: int, batch: JobBatch) -> list[int]:
+def _insert_staged(
+    cursor: psycopg.Cursor[Any], dataset_id: int, batch: JobBatch, seed: int
+) -> list[int]:
     """Stage the batch, then insert what the dataset lacks: the ids of those."""
     cursor.execute(_CREATE_STAGE)
     with cursor.copy(_COPY_STAGE) as copy:
         copy.set_types(_STAGE_TYPES)
-        for row in batch.rows():
+        for row in _keyed_rows(batch, seed):
             copy.write_row(row)
     cursor.execute(_INSERT_STAGED, (dataset_id,))
     return [int(r[0]) for r in cursor.fetchall()]
 
 
-class Repository(JobQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQueries):
+class Repository(
+    JobQueries, FeedQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQueries
+):
     """All SQL behind named methods; one instance per process, shared by threads."""
 
     def __init__(self, engine: Engine) -> None:
@@ -124,6 +138,7 @@ class Repository(JobQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQ
                     package_versions=spec.package_versions,
                     think_end_id=spec.think_end_id,
                     vocab_size=spec.vocab_size,
+                    order_seed=new_seed() if spec.order_seed is None else spec.order_seed,
                 )
                 .on_conflict_do_nothing(index_elements=[Run.name])
             )
@@ -144,7 +159,11 @@ class Repository(JobQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQ
             )
             row = conn.execute(
                 select(
-                    Run.id, Run.tokenizer_sha256, Run.chat_template_sha256, Run.chat_template_kwargs
+                    Run.id,
+                    Run.tokenizer_sha256,
+                    Run.chat_template_sha256,
+                    Run.chat_template_kwargs,
+                    Run.order_seed,
                 ).where(Run.name == spec.name)
             ).one()
         differs = [
@@ -153,6 +172,11 @@ class Repository(JobQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQ
                 ("tokenizer", row.tokenizer_sha256, spec.tokenizer_sha256),
                 ("chat template", row.chat_template_sha256, spec.chat_template_sha256),
                 ("chat_template_kwargs", row.chat_template_kwargs, spec.chat_template_kwargs),
+                (
+                    "order seed",
+                    row.order_seed,
+                    row.order_seed if spec.order_seed is None else spec.order_seed,
+                ),
             )
             if stored != given
         ]
@@ -162,6 +186,11 @@ class Repository(JobQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQ
                 "a run never mixes two tokenizations: start a new run (--run NEW_NAME)"
             )
         return int(row.id)
+
+    def order_seed(self, run: str) -> int | None:
+        """The publishing order's seed of a run (None: no such run)."""
+        with self.engine.connect() as conn:
+            return conn.scalar(select(Run.order_seed).where(Run.name == run))
 
     def ensure_dataset(self, run_id: int, spec: DatasetSpec) -> int:
         """The dataset's id, creating it; refuse changed sampling params."""
@@ -210,13 +239,21 @@ class Repository(JobQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQ
         if not batch:
             return []
         with self.engine.begin() as conn:
+            seed = int(
+                conn.scalar(
+                    select(Run.order_seed)
+                    .join(Dataset, Dataset.run_id == Run.id)
+                    .where(Dataset.id == dataset_id)
+                )
+                or 0
+            )
             driver = conn.connection.driver_connection  # psycopg's own, for COPY
             assert driver is not None, "a checked-out connection has its driver connection"
             try:
                 with driver.cursor() as cursor:
-                    ids = _copy_new_jobs(cursor, dataset_id, batch) if expect_new else None
+                    ids = _copy_new_jobs(cursor, dataset_id, batch, seed) if expect_new else None
                     if ids is None:
-                        ids = _insert_staged(cursor, dataset_id, batch)
+                        ids = _insert_staged(cursor, dataset_id, batch, seed)
             except psycopg.OperationalError as exc:
                 # Past SQLAlchemy here: raise what every other query raises on a lost server.
                 raise OperationalError(_COPY_STAGE, None, exc) from exc

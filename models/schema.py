@@ -60,6 +60,9 @@ class Run(Base):
     think_end_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # len(tokenizer): every output id a worker stores is in [0, vocab_size).
     vocab_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Seeds the publishing order of the run's jobs (models.order): recorded, so that a
+    # re-run with the same seed generates the same sample under the same budgets.
+    order_seed: Mapped[int] = mapped_column(BigInteger, server_default="0")
     created_at: Mapped[datetime] = _now()
 
 
@@ -105,6 +108,19 @@ class Job(Base):
         CheckConstraint(f"state IN ({_STATES})", name="state_known"),
         Index("ix_jobs_state_dataset", "state", "dataset_id"),
         Index("ix_jobs_running_lease", "lease_until", postgresql_where="state = 'running'"),
+        # The feeder's two reads (worker.feeder): the next jobs of a dataset in its order,
+        # and how many of a dataset's queued jobs have a message out.
+        Index(
+            "ix_jobs_feed_order",
+            "dataset_id",
+            "sort_key",
+            postgresql_where="state = 'queued' AND published_at IS NULL",
+        ),
+        Index(
+            "ix_jobs_feed_published",
+            "dataset_id",
+            postgresql_where="state = 'queued' AND published_at IS NOT NULL",
+        ),
         CheckConstraint("reserved_tokens >= 0", name="reserved_nonnegative"),
     )
 
@@ -120,6 +136,12 @@ class Job(Base):
     # The prompt leaves the model inside a reasoning block: its output must hold think-end.
     opens_reasoning: Mapped[bool] = mapped_column(Boolean, server_default=false())
     state: Mapped[str] = mapped_column(String(16), server_default=JobState.QUEUED.value)
+    # Its place in the dataset's publishing order (models.order.sort_key).
+    sort_key: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # When the feeder published a message for it (None: it has none out); a job sent back
+    # after an attempt is not published again before not_before (its backoff).
+    published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    not_before: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     # Budget this job holds while running (its worst case), 0 otherwise.
     reserved_tokens: Mapped[int] = mapped_column(Integer, server_default="0")

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import Engine, Select, func, select
 
 from models.records import DatasetStatus, ServerStatus, StatusSnapshot, Window
-from models.schema import Dataset, FailedAttempt, Generation, Run
+from models.schema import Dataset, FailedAttempt, Generation, Job, Run
 from models.states import JobState
 
 # The windows rates are measured over, in seconds, shortest first; the longest bounds
@@ -42,6 +42,8 @@ class StatusQueries:
             datasets = conn.execute(_datasets(run)).all()
             recent = conn.execute(_recent_generations()).all()
             errors = conn.execute(_recent_errors()).all()
+            published = dict(conn.execute(_published()).tuples().all())
+            seeds = dict(conn.execute(select(Run.name, Run.order_seed)).tuples().all())
         ours = {int(d.id) for d in datasets}
         recent = [r for r in recent if r.dataset_id in ours]
         errors = [e for e in errors if e.dataset_id in ours]
@@ -51,6 +53,8 @@ class StatusQueries:
             datasets=[_dataset(d, [r for r in recent if r.dataset_id == d.id]) for d in datasets],
             servers=_servers(recent, errors),
             unattributed_errors=_unattributed(errors),
+            order_seeds={r: int(seeds[r]) for r in sorted({d.run for d in datasets})},
+            published=sum(int(published.get(d, 0)) for d in ours),
         )
 
 
@@ -71,6 +75,15 @@ def _datasets(run: str | None) -> Select[*tuple[Any, ...]]:
     ).join(Run, Run.id == Dataset.run_id)
     stmt = stmt.order_by(Run.name, Dataset.name)
     return stmt if run is None else stmt.where(Run.name == run)
+
+
+def _published() -> Select[*tuple[Any, ...]]:
+    """Queued jobs with a message out, per dataset (a few: the window), by partial index."""
+    return (
+        select(Job.dataset_id, func.count())
+        .where(Job.state == JobState.QUEUED.value, Job.published_at.is_not(None))
+        .group_by(Job.dataset_id)
+    )
 
 
 def _since(seconds: int) -> Any:

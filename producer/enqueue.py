@@ -1,4 +1,4 @@
-"""Enqueue datasets: read, validate, template, insert jobs, publish their ids.
+"""Enqueue datasets: read, validate, template, insert jobs, wake the feeder.
 
 Rows stream through in batches, so memory does not grow with the dataset. A bad row becomes
 a `rejected_rows` entry and the run goes on.
@@ -19,7 +19,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
-from core import wire
+import redis
+
 from core.broker import Publisher
 from models.ledger import format_tokens
 from models.records import DatasetSpec, JobBatch, RunSpec
@@ -60,7 +61,8 @@ class Sink(Protocol):
 
 @dataclass
 class DatabaseSink:
-    """Insert jobs (duplicates skipped by the unique key), record rejections, publish ids."""
+    """Insert jobs (duplicates skipped by the unique key), record rejections, wake the
+    feeder that publishes them."""
 
     repo: Repository
     publisher: Publisher
@@ -69,17 +71,25 @@ class DatabaseSink:
     # Until a batch holds prompts the dataset has (a re-run, repeats in the file), jobs are
     # expected new, which the repository inserts the cheap way (see insert_jobs).
     expect_new: bool = True
-    # What Flower shows after each job id (core.wire.tag): its dataset and run.
-    tag: str = ""
+    # Why Redis refused the last wake of the feeder, if it did.
+    wake_error: str | None = None
 
     def write(self, prepared: Prepared) -> int:
         new_ids = self.repo.insert_jobs(self.dataset_id, prepared.jobs, expect_new=self.expect_new)
         self.expect_new = self.expect_new and len(new_ids) == len(prepared.jobs)
         self.repo.record_rejections(self.dataset_id, prepared.rejections)
-        # Published after the commit: a worker must find the job it is told about. A crash
-        # between the two leaves jobs queued but unpublished, which `eaglegen reconcile` finds.
-        self.publisher.publish(new_ids, self.tag)
+        if new_ids:
+            self._wake_feeder()
         return len(new_ids)
+
+    def _wake_feeder(self) -> None:
+        """Tell the feeder, which publishes stored jobs in their order (worker.feeder), that
+        there are some now. Best effort: Redis out of reach or full only means the feeder
+        finds them at its next pass (the enqueue says so once)."""
+        try:
+            self.publisher.wake_feeder()
+        except redis.RedisError as exc:
+            self.wake_error = self.wake_error or " ".join(str(exc).split())[:200]
 
 
 @dataclass
@@ -107,6 +117,8 @@ class RunReport:
     dry_run: bool
     datasets: list[DatasetStats]
     warnings: list[str] = field(default_factory=list)
+    # The run's publishing order seed (models.order); a dry run knows only a given one.
+    order_seed: int | None = None
 
     @property
     def empty_datasets(self) -> list[str]:
@@ -118,6 +130,7 @@ class RunReport:
         return {
             "run": self.run,
             "dry_run": self.dry_run,
+            "order_seed": self.order_seed,
             **totals(self.datasets),
             "datasets": {s.dataset: s.as_dict() for s in self.datasets},
             "empty_datasets": self.empty_datasets,
@@ -149,6 +162,7 @@ def run_spec(plan: RunPlan, templater: Templater) -> RunSpec:
         package_versions=package_versions(),
         think_end_id=templater.think_end_id(),
         vocab_size=templater.vocab_size(),
+        order_seed=plan.order_seed,
     )
 
 
@@ -175,7 +189,8 @@ def enqueue_run(
     stop_ids = templater.stop_token_ids()
     params = {d.name: plan.sampling_params(d, stop_ids) for d in plan.datasets}
     sinks = _sinks(plan, templater, params, repo, publisher)
-    report = RunReport(plan.run, dry_run=repo is None, datasets=[])
+    seed = plan.order_seed if repo is None else repo.order_seed(plan.run)
+    report = RunReport(plan.run, dry_run=repo is None, datasets=[], order_seed=seed)
     report.warnings.extend(_budget_warnings(plan, sinks))
     if preparer is None:
         preparer = make_preparer(plan, templater, None)
@@ -192,6 +207,12 @@ def enqueue_run(
             )
             report.datasets.append(stats)
             report.warnings.extend(_nothing_accepted(dataset, stats))
+    refused = [e for sink in sinks.values() if (e := getattr(sink, "wake_error", None))]
+    if refused:
+        report.warnings.append(
+            f"Redis refused to wake the feeder ({refused[0]}): every job above is stored, "
+            "and the workers' feeder publishes them at its next pass once Redis takes writes"
+        )
     return report
 
 
@@ -287,9 +308,7 @@ def _sinks(
                 budget_basis=d.budget_basis.value,
             ),
         )
-        sinks[d.name] = DatabaseSink(
-            repo, publisher, dataset_id, repo.budget_of(dataset_id), tag=wire.tag(d.name, plan.run)
-        )
+        sinks[d.name] = DatabaseSink(repo, publisher, dataset_id, repo.budget_of(dataset_id))
     return sinks
 
 
@@ -305,7 +324,7 @@ def enqueue_dataset(
     """Stream one dataset's rows through validation, templating and the sink, in order.
 
     Batches are prepared ahead (in worker processes when the preparer has them); writing
-    (Postgres insert, Redis publish) runs on one background thread, in order, meanwhile.
+    (the Postgres insert) runs on one background thread, in order, meanwhile.
     """
     # Rows stay undecoded here: decoding is part of preparing, which may run in workers.
     source = UntilBroken(

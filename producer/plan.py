@@ -42,6 +42,8 @@ class RunPlan:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_context_len: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    # Seeds the order jobs are generated in (models.order); None: a new run draws one.
+    order_seed: int | None = None
 
     def __post_init__(self) -> None:
         check_name("run", self.run)
@@ -61,6 +63,7 @@ def plan_from_run_file(run_file: RunFile) -> RunPlan:
         chat_template_kwargs=dict(run_file.chat_template_kwargs),
         max_context_len=run_file.max_context_len,
         sampling=dict(run_file.sampling),
+        order_seed=run_file.order_seed,
         datasets=[
             DatasetPlan(
                 name=d.name,
@@ -93,6 +96,7 @@ def plan_from_flags(
     template_kwargs: list[str] | None = None,
     trust_remote_code: bool = False,
     model: str | None = None,
+    order_seed: int | None = None,
 ) -> RunPlan:
     """The quick form: one dataset file and the same knobs as flags."""
     missing = [
@@ -116,6 +120,7 @@ def plan_from_flags(
         trust_remote_code=trust_remote_code,
         chat_template_kwargs=parse_template_kwargs(template_kwargs or []),
         max_context_len=max_context_len,
+        order_seed=order_seed,
         datasets=[
             DatasetPlan(
                 name=dataset,

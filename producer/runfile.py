@@ -52,6 +52,7 @@ class RunFile(BaseModel):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     max_context_len: int | None = Field(default=None, ge=2)
     sampling: dict[str, Any] = Field(default_factory=dict)
+    order_seed: int | None = Field(default=None, ge=0, lt=1 << 62)
     datasets: list[DatasetEntry] = Field(min_length=1)
 
     @field_validator("datasets")

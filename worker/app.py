@@ -27,13 +27,10 @@ from worker.retry import backoff
 from worker.runner import DATABASE_UNAVAILABLE, Outcome, Result, WorkerContext, run_attempt
 
 log = logging.getLogger(__name__)
-# Outcomes after which this message's job needs another message: after a backoff, or at
-# once so that a worker with a free slot takes it.
+# Outcomes after which the job is queued again: the feeder publishes it after its backoff
+# (RETRY, DEFERRED), or this message goes back so that a worker with a free slot takes it
+# (NO_SLOT: the job was never claimed, so its message is still the one it has out).
 _REQUEUE = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.NO_SLOT})
-# The custom event of a budget-skipped job: Flower shows an unknown ``task-*`` event as a
-# state of that name, here SKIPPED, neither a success nor a failure.
-SKIPPED_EVENT = "task-skipped"
-SKIPPED_RESULT = "skipped_budget"
 
 
 class JobFailed(Exception):
@@ -124,7 +121,8 @@ def create_worker_app(
             s = ctx.settings
             delay = backoff(self.request.retries + 1, s.retry_base_s, s.retry_cap_s)
             reason = f"database unavailable: {' '.join(str(cause).split())[:300]}"
-            result = Result(Outcome.RETRY, delay, reason=reason)
+            # Postgres cannot take the job back to the feeder: the message goes back itself.
+            result = Result(Outcome.RETRY, delay, reason=reason, resend=True)
         ctx.metrics.attempt(result.outcome.value)
         return _ending(ctx, self, job_id, result)
 
@@ -135,20 +133,19 @@ def _ending(ctx: WorkerContext, task: Task, job_id: int, result: Result) -> str:
     """End the task as what happened to the job: its result string (done and the
     duplicates), or SentBack (RETRY), JobFailed (FAILURE), the SKIPPED event."""
     if result.outcome in _REQUEUE:
-        # The job is `queued` in Postgres: publish its next message; ours is acked.
-        job_tag = result.job_tag or wire.tag_of(job_id, task.request.argsrepr)
-        ctx.publisher.publish_later(
-            job_id,
-            countdown=result.retry_in_s,
-            retries=task.request.retries + 1,
-            task_id=task.request.id,  # one task in Flower through its retries
-            job_tag=job_tag,
-        )
+        if result.outcome is Outcome.NO_SLOT or result.resend:  # ours is acked: send it again
+            ctx.publisher.publish_later(
+                job_id,
+                countdown=result.retry_in_s,
+                retries=task.request.retries + 1,
+                task_id=task.request.id,  # one task in Flower through its retries
+                job_tag=wire.tag_of(job_id, task.request.argsrepr),
+            )
         raise SentBack(result.reason, when=round(result.retry_in_s, 3))
     if result.outcome is Outcome.FAILED:
         raise JobFailed(result.reason)
     if result.outcome is Outcome.SKIPPED:
-        task.send_event(SKIPPED_EVENT, result=SKIPPED_RESULT)
+        task.send_event(wire.SKIPPED_EVENT, result=wire.SKIPPED_RESULT)
         raise Ignore()  # no task-succeeded after it: the task stays SKIPPED
     if result.outcome is Outcome.DONE:
         return f"done · {result.tokens:,} tokens"
@@ -264,22 +261,18 @@ class _Ending(logging.Filter):
 
 def release_held(ctx: WorkerContext) -> list[int]:
     """Give back every job this process still holds, in any phase, without spending an
-    attempt, and its slots; the released ids. A publish Redis refuses is left to the
-    reconciler, which publishes queued jobs without a message from Postgres."""
-    running = ctx.running_tags()
+    attempt, and its slots; the released ids (the feeder publishes them again)."""
     released = [
         j
-        for j in running
+        for j in ctx.running_jobs()
         if ctx.repo.release(j, ctx.name, "worker stopped before the request finished", refund=True)
     ]
     try:
         ctx.router.release_all()  # else other workers lose these slots for slot_lease_seconds
+        if released:
+            ctx.publisher.wake_feeder()
     except redis.RedisError as exc:
         log.warning("slots not given back (%s): their leases lapse by themselves", exc)
-    try:
-        ctx.publisher.publish(released, running)
-    except redis.RedisError as exc:
-        log.warning("released jobs not published (%s): the reconciler will", exc)
     return released
 
 

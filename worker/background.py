@@ -1,4 +1,5 @@
-"""The worker's side loops: server health, lease renewal, heartbeat, periodic reconciler."""
+"""The worker's side loops: server health, lease renewal, heartbeat, and the two that one
+worker of the cluster runs (a Redis lock decides which): the feeder and the reconciler."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any
 import redis
 from celery import Celery
 
-from core import keys
-from core.broker import redis_now
+from core import keys, wire
+from core.broker import redis_now, wake_feeder
+from worker.feeder import Feeder
 from worker.reconcile import reconcile
 from worker.runner import WorkerContext, heartbeat_ttl
 from worker.servers import probe
@@ -49,14 +51,17 @@ class Background:
         self._loop("health", s.health_interval_s, self.check_health)
         self._loop("leases", min(s.lease_seconds, s.slot_lease_seconds) / 3, self.renew)
         self._loop("reconciler", s.reconcile_interval_s, self.reconcile_if_leader)
+        self._start_thread("feeder", self._feed_loop)
 
     def stop(self) -> None:
-        """Stop the loops and remove the heartbeat."""
+        """Stop the loops, remove the heartbeat and hand the feeder's lock on."""
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5)
         try:
             self.ctx.redis.delete(keys.heartbeat(socket.gethostname(), os.getpid()))
+            if self._holder(keys.feeder_lock(self.ctx.settings.queue)) == self.ctx.name:
+                self.ctx.redis.delete(keys.feeder_lock(self.ctx.settings.queue))
         except redis.RedisError:  # Redis down: the heartbeat expires by itself
             log.warning("could not remove the heartbeat; it expires in a few beats")
 
@@ -68,6 +73,9 @@ class Background:
                 except Exception:  # a side loop must outlive Redis or Postgres restarts
                     log.exception("worker %s loop failed; retrying in %.1f s", name, interval_s)
 
+        self._start_thread(name, run)
+
+    def _start_thread(self, name: str, run: Callable[[], None]) -> None:
         thread = threading.Thread(target=run, name=f"eaglegen-{name}", daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -84,6 +92,7 @@ class Background:
             # Redis's clock, the one every reader compares it with (hosts' clocks differ).
             "ts": redis_now(self.ctx.redis),
             "in_flight": len(self.ctx.running_jobs()),
+            "threads": s.worker_concurrency,
             "consuming": self.consuming,
             "db_pool": s.db_pool_size,
             "servers": {
@@ -142,21 +151,69 @@ class Background:
             self.ctx.running_jobs(), self.ctx.name, self.ctx.settings.lease_seconds
         )
 
+    def _lead(self, key: str, ttl_s: float) -> bool:
+        """Hold (or win) the lock ``key`` for ``ttl_s`` more seconds; whether we hold it."""
+        holder = self._holder(key)
+        if holder is not None and holder != self.ctx.name:
+            return False
+        return bool(self.ctx.redis.set(key, self.ctx.name, px=int(ttl_s * 1000), nx=holder is None))
+
+    def _holder(self, key: str) -> str | None:
+        raw = self.ctx.redis.get(key)
+        return None if raw is None else (raw.decode() if isinstance(raw, bytes) else str(raw))
+
     def reconcile_if_leader(self) -> None:
         """Run the reconciler when this worker holds (or wins) the Redis lock."""
         s = self.ctx.settings
-        key, ttl_ms = keys.reconciler_lock(s.queue), int(s.reconcile_interval_s * 2000)
-        holder = self.ctx.redis.get(key)
-        if holder is not None and holder not in (self.ctx.name, self.ctx.name.encode()):
-            return
-        if not self.ctx.redis.set(key, self.ctx.name, px=ttl_ms, nx=holder is None):
+        if not self._lead(keys.reconciler_lock(s.queue), 2 * s.reconcile_interval_s):
             return
         report = reconcile(
             self.ctx.repo,
             self.ctx.redis,
-            self.ctx.publisher,
+            s.queue,
             max_attempts=s.max_attempts,
             republish_after_s=s.republish_after_s,
         )
         if report.expired_leases or report.republished:
             log.warning("reconciler: %s", report.as_dict())
+            wake_feeder(self.ctx.redis, s.queue)
+
+    def _announce_skipped(self, job_ids: list[int]) -> None:
+        """Tell Flower that these jobs, which it saw sent back, ended skipped (as the task
+        does for a job it skips itself)."""
+        queue = self.ctx.settings.queue
+        with self.app.events.default_dispatcher(hostname=self.nodename) as dispatcher:
+            for job_id in job_ids:
+                dispatcher.send(
+                    wire.SKIPPED_EVENT,
+                    uuid=wire.job_task_id(queue, job_id),
+                    result=wire.SKIPPED_RESULT,
+                )
+
+    def _feed_loop(self) -> None:
+        """Feed while this worker holds the feeder's lock; between passes, wait for a wake
+        (or the interval), or go again at once while workers drain the window."""
+        s = self.ctx.settings
+        feeder = Feeder(
+            self.ctx.repo,
+            self.ctx.redis,
+            self.ctx.publisher,
+            window=s.window,
+            on_skipped=self._announce_skipped,
+        )
+        wake = keys.feeder_wake(s.queue)
+        while not self._stop.is_set():
+            try:
+                if not self._lead(keys.feeder_lock(s.queue), max(10.0, 5 * s.feed_interval_s)):
+                    self._stop.wait(s.feed_interval_s)
+                    continue
+                report = feeder.feed()
+                if report.published or report.skipped:
+                    log.info("feeder: %s", report.as_dict())
+                if report.drained and report.published:
+                    self._stop.wait(min(0.05, s.feed_interval_s))
+                else:  # BLPOP takes whole seconds on older Redis servers
+                    self.ctx.redis.blpop([wake], timeout=max(1, round(s.feed_interval_s)))
+            except Exception:  # the loop must outlive Redis or Postgres restarts
+                log.exception("worker feeder loop failed; retrying in %.1f s", s.feed_interval_s)
+                self._stop.wait(s.feed_interval_s)

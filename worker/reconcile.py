@@ -1,10 +1,10 @@
 """The reconciler: Postgres is the truth, so rebuild in Redis whatever is missing.
 
-It re-queues running jobs whose lease lapsed (their worker died) and publishes again the
-queued jobs that have no message waiting in the Redis queue (Redis restarted empty, a
-publish was lost, a dead worker's prefetched messages sit unacked). Messages delivered to a
-live worker are not looked at: at worst a job gets a second message, which is harmless
-because the claim decides.
+It re-queues running jobs whose lease lapsed (their worker died), and gives back to the
+feeder the jobs whose message went out but is no longer waiting in the Redis queue (Redis
+restarted empty or evicted it, a dead worker's prefetched messages sit unacked): the feeder
+publishes them again, in their order. Messages delivered to a live worker are not looked
+at: at worst a job gets a second message, which is harmless because the claim decides.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import redis
 
-from core import wire
-from core.broker import Publisher, waiting_job_ids
+from core.broker import waiting_job_ids
 from models.repository import Repository
 
 
@@ -23,7 +22,7 @@ class ReconcileReport:
     """What one pass did."""
 
     expired_leases: int
-    republished: int
+    republished: int  # jobs given back to the feeder: their message was lost
     messages_in_redis: int
 
     def as_dict(self) -> dict[str, int]:
@@ -38,25 +37,17 @@ class ReconcileReport:
 def reconcile(
     repo: Repository,
     client: redis.Redis,
-    publisher: Publisher,
+    queue: str,
     *,
     max_attempts: int,
     republish_after_s: float,
 ) -> ReconcileReport:
     """One reconciliation pass; safe to run anywhere, any number of times."""
     expired = repo.expire_leases(max_attempts)
-    publisher.publish(expired, _tags(repo, expired))
     # Read candidates before scanning Redis: a job published after the scan started was
     # also published after this read, so it is never mistaken for missing.
-    candidates = repo.queued_job_ids(idle_seconds=republish_after_s)
-    waiting = waiting_job_ids(client, publisher.queue)
-    missing = sorted(set(candidates) - waiting - set(expired))
-    publisher.publish(missing, _tags(repo, missing))
-    return ReconcileReport(len(expired), len(missing), len(waiting))
-
-
-def _tags(repo: Repository, job_ids: list[int]) -> dict[int, str]:
-    """Each job's label tag (its dataset and run, as Flower shows them)."""
-    if not job_ids:
-        return {}
-    return {j: wire.tag(d, r) for j, (r, d) in repo.job_datasets(job_ids).items()}
+    candidates = repo.published_job_ids(older_than_s=republish_after_s)
+    waiting = waiting_job_ids(client, queue)
+    missing = sorted(set(candidates) - waiting)
+    lost = repo.unpublish(missing, older_than_s=republish_after_s)
+    return ReconcileReport(len(expired), lost, len(waiting))

@@ -19,7 +19,6 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as SQLTimeoutError
 
-from core import wire
 from core.broker import Publisher
 from core.settings import ServerSpec, Services, Settings
 from models.db import make_engine
@@ -66,11 +65,11 @@ class Outcome(Enum):
 
     DONE = "done"
     NOT_CLAIMED = "not_claimed"  # another worker has it, or it is no longer queued
-    RETRY = "retry"  # back in `queued`, to be published again after a backoff
+    RETRY = "retry"  # back in `queued`: the feeder publishes it again after a backoff
     FAILED = "failed"
     LOST = "lost"  # our claim was taken away before we could record
     NO_SLOT = "no_slot"  # none of our servers could take it: let another worker have it
-    DEFERRED = "deferred"  # the budget is held by running jobs: ask again later
+    DEFERRED = "deferred"  # the budget is held by running jobs: the feeder offers it later
     SKIPPED = "skipped"  # the budget is spent
 
 
@@ -79,15 +78,16 @@ class Result:
     """The outcome and, for RETRY/DEFERRED, the delay before the job is published again.
 
     ``tokens``: the completion tokens recorded (DONE); ``reason``: why it did not end done,
-    in one line; ``job_tag``: the job's dataset tag (core.wire.tag) once claimed, for the
-    message that sends it back.
+    in one line.
     """
 
     outcome: Outcome
     retry_in_s: float = 0.0
     tokens: int = 0
     reason: str = ""
-    job_tag: str = ""
+    # Postgres was out of reach, so the job could not go back to the feeder: the task sends
+    # its message back itself, as for NO_SLOT.
+    resend: bool = False
 
 
 @dataclass
@@ -101,8 +101,8 @@ class WorkerContext:
     publisher: Publisher
     names: ServerNames
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    # The jobs this process runs, each with its dataset tag (for the release at shutdown).
-    in_flight: dict[int, str] = field(default_factory=dict)
+    # The jobs this process runs (their leases renewed, released at shutdown).
+    in_flight: set[int] = field(default_factory=set)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     stopping: threading.Event = field(default_factory=threading.Event)
     # Runs none of this worker's servers may generate, with why (logged once per reason).
@@ -150,23 +150,18 @@ class WorkerContext:
         """Hold this worker's server names in the cluster; a line per name held elsewhere."""
         return self.names.hold([s.spec for s in self.router.servers])
 
-    def track(self, job_id: int, running: bool, job_tag: str = "") -> None:
+    def track(self, job_id: int, running: bool) -> None:
         """Remember which jobs this process runs, for lease renewal."""
         with self._lock:
             if running:
-                self.in_flight[job_id] = job_tag
+                self.in_flight.add(job_id)
             else:
-                self.in_flight.pop(job_id, None)
+                self.in_flight.discard(job_id)
 
     def running_jobs(self) -> list[int]:
         """The jobs this process is running now."""
         with self._lock:
             return list(self.in_flight)
-
-    def running_tags(self) -> dict[int, str]:
-        """The jobs this process is running now, with their dataset tags."""
-        with self._lock:
-            return dict(self.in_flight)
 
     def close(self) -> None:
         """Release connections."""
@@ -226,20 +221,19 @@ def _claimed_attempt(ctx: WorkerContext, job_id: int, lease: Lease) -> Result:
     claim = ctx.repo.claim(job_id, ctx.name, ctx.settings.lease_seconds)
     if claim.outcome == "deferred":
         wait = ctx.settings.budget_defer_s
-        return Result(
-            Outcome.DEFERRED,
-            retry_in_s=wait,
-            reason=f"budget deferral: the rest of the budget is held by running jobs; "
-            f"asked again in {wait:g} s",
+        reason = (
+            "budget deferral: the rest of the budget is held by running jobs; "
+            f"asked again in {wait:g} s"
         )
+        ctx.repo.defer(job_id, wait, reason)  # the feeder offers it again after the wait
+        return Result(Outcome.DEFERRED, retry_in_s=wait, reason=reason)
     if claim.outcome == "skipped":
         return Result(Outcome.SKIPPED, reason="skipped_budget: the dataset's budget is spent")
     if claim.job is None:
         return Result(Outcome.NOT_CLAIMED, reason="no longer queued (done or taken elsewhere)")
-    job_tag = wire.tag(claim.job.dataset, claim.job.run)
     server = lease.server
     # Tracked (its lease renewed, released at shutdown) until it is recorded or settled.
-    ctx.track(job_id, True, job_tag)
+    ctx.track(job_id, True)
     try:
         with ctx.metrics.request(server.name) as request:
             try:
@@ -253,19 +247,19 @@ def _claimed_attempt(ctx: WorkerContext, job_id: int, lease: Lease) -> Result:
             else:
                 failure = None
         if failure is not None:
-            return replace(_settle_failure(ctx, server, claim.job, failure), job_tag=job_tag)
+            return _settle_failure(ctx, server, claim.job, failure)
         try:
             recorded = _record(ctx, job_id, record)
         except DATABASE_UNAVAILABLE:
             raise  # the task sends the job back; the lease covers it meanwhile
         except Exception as exc:  # e.g. an id beyond int32, which Postgres cannot hold
             failure = _unexpected(server, exc)
-            return replace(_settle_failure(ctx, server, claim.job, failure), job_tag=job_tag)
+            return _settle_failure(ctx, server, claim.job, failure)
     finally:
         ctx.track(job_id, False)
     if recorded:
         ctx.metrics.recorded(server.name, record.prompt_tokens, record.completion_tokens)
-        return Result(Outcome.DONE, tokens=record.completion_tokens, job_tag=job_tag)
+        return Result(Outcome.DONE, tokens=record.completion_tokens)
     log.warning("job %s: claim lost before recording; result dropped", job_id)
     return Result(Outcome.LOST, reason="claim lost before recording; result dropped")
 
@@ -323,7 +317,7 @@ def _settle_failure(
         # Cut short by shutdown, not by the job: give it back without spending an attempt
         # (nor counting it as the server's failure).
         ctx.repo.release(job.id, ctx.name, f"worker shutting down: {error}", refund=True)
-        return Result(Outcome.NO_SLOT, reason=f"worker stopping ({error.kind}: {error})")
+        return Result(Outcome.RETRY, reason=f"worker stopping ({error.kind}: {error})")
     if error.transport:
         # One lost connection says little (a keep-alive race, a proxy reset): stop sending to
         # the server only when its health check fails too; the health loop brings it back.
@@ -331,8 +325,10 @@ def _settle_failure(
         if down is not None:
             ctx.router.mark(server, healthy=False, reason=f"{error}; {down}")
     if decide(error, job.attempts, ctx.settings.max_attempts) is Disposition.RETRY:
-        ctx.repo.release(job.id, ctx.name, str(error), server=server.name, kind=error.kind)
         wait = backoff(job.attempts, ctx.settings.retry_base_s, ctx.settings.retry_cap_s)
+        ctx.repo.release(
+            job.id, ctx.name, str(error), server=server.name, kind=error.kind, retry_in_s=wait
+        )
         return Result(
             Outcome.RETRY,
             retry_in_s=wait,

@@ -57,8 +57,8 @@ def set_budget(
     broker_url: BrokerUrl = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Change a budget; raising it re-queues and publishes the jobs it had skipped."""
-    from core import wire
+    """Change a budget; raising it re-queues the jobs it had skipped (the feeder publishes
+    them in their order)."""
     from core.broker import Publisher
     from models.ledger import format_tokens, parse_tokens
 
@@ -72,10 +72,9 @@ def set_budget(
         requeued = with_lock_retries(
             lambda: repo.set_budget(run, dataset, budget), f"dataset {dataset!r}"
         )
-        names = repo.job_datasets(requeued[:1])  # one dataset: one label for all
-    tag = next((wire.tag(d, r) for r, d in names.values()), "")
-    with Publisher(live.broker_url, settings.queue) as publisher:
-        publisher.publish(requeued, tag)
+    if requeued:
+        with Publisher(live.broker_url, settings.queue) as publisher:
+            publisher.wake_feeder()
     if json_out:
         emit_json({"dataset": dataset, "budget_tokens": budget, "requeued": len(requeued)})
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -45,6 +46,15 @@ def enqueue(
     budget_basis: Annotated[str, typer.Option(help="completion or total")] = "completion",
     limit: Annotated[int | None, typer.Option(min=1, help="Take at most N rows")] = None,
     sample_seed: Annotated[int | None, typer.Option(help="With --limit: seeded sample")] = None,
+    order_seed: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=(1 << 62) - 1,
+            help="Seed of the order jobs run in (a budget keeps a uniform sample); "
+            "default: a new run draws one, recorded with it",
+        ),
+    ] = None,
     template_kwarg: Annotated[
         list[str], typer.Option(help="Chat template kwarg NAME=JSON, e.g. thinking=true")
     ] = [],  # noqa: B006
@@ -82,6 +92,8 @@ def enqueue(
                 "drop --run/--dataset/--tokenizer"
             )
         plan = plan_from_run_file(load_run_file(source))
+        if order_seed is not None:
+            plan = dataclasses.replace(plan, order_seed=order_seed)
     else:
         plan = plan_from_flags(
             source,
@@ -97,6 +109,7 @@ def enqueue(
             template_kwargs=template_kwarg,
             trust_remote_code=trust_remote_code,
             model=model,
+            order_seed=order_seed,
             sampling={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p},
         )
     for dataset_plan in plan.datasets:  # a bad input is the first thing to hear about
@@ -113,27 +126,12 @@ def enqueue(
         raise typer.Exit(1)
 
 
-def _stored(target: Services, run: str) -> str:
-    """How many jobs of ``run`` Postgres holds (best effort: this explains an error)."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from eaglegen.cli.base import repository
-
-    try:
-        with repository(target.database_url) as repo:
-            total = sum(sum(c.states.values()) for c in repo.counts(run))
-    except SQLAlchemyError:
-        return "what was stored stays in Postgres"
-    return f"Postgres holds {total} job(s) of run {run!r}, some of them not published"
-
-
 def _enqueue_or_explain(
     settings: Settings, target: Services | None, plan: RunPlan, workers: int | None
 ) -> RunReport:
     """Run the enqueue; a service lost mid-run is one sentence saying how to finish the job."""
     from concurrent.futures.process import BrokenProcessPool
 
-    import redis
     from sqlalchemy.exc import OperationalError
 
     from core.urls import redact, scrub
@@ -146,24 +144,11 @@ def _enqueue_or_explain(
             "a template worker process died (killed, or out of memory?). What was stored "
             "stays; run the same enqueue again, with --workers 0 to template in one process"
         ) from exc
-    except redis.OutOfMemoryError as exc:
+    except OperationalError as exc:
         assert target is not None  # a dry run touches no service
-        raise ValueError(
-            f"Redis at {redact(target.broker_url)} refused to store more messages (maxmemory "
-            f"reached, policy noeviction): {_stored(target, plan.run)}. Free memory in Redis or "
-            "raise its maxmemory, run the same enqueue again to add the rest, then `eaglegen "
-            "reconcile --republish-after 0` to publish the jobs stored but not yet published"
-        ) from exc
-    except (OperationalError, redis.ConnectionError) as exc:
-        assert target is not None  # a dry run touches no service
-        postgres = isinstance(exc, OperationalError)
-        service, url = (
-            ("Postgres", target.database_url) if postgres else ("Redis", target.broker_url)
-        )
+        url = target.database_url
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0].rstrip(".")
-        reason = scrub(reason, url)
         raise ValueError(
-            f"lost {service} at {redact(url)} mid-run: {reason}. What was stored stays; run "
-            "the same enqueue again to add the rest, then `eaglegen reconcile --republish-after "
-            "0` to publish jobs stored but not yet published"
+            f"lost Postgres at {redact(url)} mid-run: {scrub(reason, url)}. What was stored "
+            "stays (and is generated); run the same enqueue again to add the rest"
         ) from exc

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,6 +21,10 @@ from eaglegen.cli.base import (
     with_lock_retries,
 )
 
+if TYPE_CHECKING:
+    from worker.feeder import FeedReport
+    from worker.reconcile import ReconcileReport
+
 app = typer.Typer()
 
 
@@ -29,8 +33,8 @@ def reconcile(
     republish_after: Annotated[
         float | None,
         typer.Option(
-            help="Publish queued jobs unchanged this many seconds and missing from Redis "
-            "(default EAGLEGEN_REPUBLISH_AFTER_S); 0 once no enqueue is running"
+            help="Publish again queued jobs whose message went out this many seconds ago and "
+            "is missing from Redis (default EAGLEGEN_REPUBLISH_AFTER_S)"
         ),
     ] = None,
     json_out: JsonFlag = False,
@@ -38,10 +42,11 @@ def reconcile(
     broker_url: BrokerUrl = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Re-queue jobs of dead workers and publish queued jobs missing from Redis."""
+    """Re-queue jobs of dead workers, find lost messages, and top the Redis window up."""
     import redis
 
     from core.broker import Publisher
+    from worker.feeder import Feeder
     from worker.reconcile import reconcile as run_reconcile
 
     settings = load_settings(
@@ -56,22 +61,25 @@ def reconcile(
         redis.Redis.from_url(live.broker_url) as client,
         Publisher(live.broker_url, settings.queue) as publisher,
     ):
-        report = with_lock_retries(
-            lambda: run_reconcile(
+
+        def one_pass() -> tuple[ReconcileReport, FeedReport]:
+            found = run_reconcile(
                 repo,
                 client,
-                publisher,
+                settings.queue,
                 max_attempts=settings.max_attempts,
                 republish_after_s=settings.republish_after_s,
-            ),
-            "a job or dataset row",
-        )
+            )
+            return found, Feeder(repo, client, publisher, window=settings.window).feed()
+
+        report, fed = with_lock_retries(one_pass, "a job or dataset row")
     if json_out:
-        emit_json(report.as_dict())
+        emit_json({**report.as_dict(), "feed": fed.as_dict()})
     else:
         err.print(
-            f"re-queued {report.expired_leases} job(s) with expired leases, published "
-            f"{report.republished} missing message(s)"
+            f"re-queued {report.expired_leases} job(s) with expired leases, found "
+            f"{report.republished} lost message(s); published {fed.published} "
+            f"(window {fed.window}, {fed.in_redis} were waiting)"
         )
 
 

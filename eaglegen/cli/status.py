@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.live import Live
 
 from core.names import check_name
+from core.settings import Settings
 from eaglegen.cli.base import (
     BrokerUrl,
     DatabaseUrl,
@@ -51,17 +52,22 @@ def status(
     name = None if run is None else check_name("run", run)
     with repository(database(settings)) as repo:
         if watch and not json_out:
-            _watch(lambda: status_view(repo.status(name), _beats(settings.broker_url)), interval)
+            _watch(
+                lambda: status_view(
+                    repo.status(name), _beats(settings.broker_url), _feed(settings)
+                ),
+                interval,
+            )
             return
         snapshot = repo.status(name)
         in_use, limit = repo.postgres_connections()
-    beats = _beats(settings.broker_url)
+    beats, feed = _beats(settings.broker_url), _feed(settings)
     if json_out:
-        document = status_document(snapshot, beats)
+        document = status_document(snapshot, beats, feed)
         document["postgres_connections"] = {"in_use": in_use, "max": limit}
         emit_json(document)
     else:
-        Console().print(status_view(snapshot, beats))
+        Console().print(status_view(snapshot, beats, feed))
     warnings = [
         connections_warning(in_use, limit),
         broker_warning(settings.broker_url),
@@ -128,6 +134,27 @@ def _beats(broker_url: str | None) -> list[dict[str, Any]] | None:
         return alive_workers(broker_url, None, BEAT_MAX_AGE_S)
     except redis.RedisError:
         return None
+
+
+def _feed(settings: Settings) -> dict[str, Any] | None:
+    """The Redis side of the window: messages waiting in the queue list and the feeder's
+    bound (from its last pass); None without a broker or when it does not answer."""
+    import json
+
+    import redis
+
+    from core import keys
+
+    if settings.broker_url is None:
+        return None
+    try:
+        with redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5) as client:
+            waiting = int(client.llen(settings.queue))
+            report = client.get(keys.feeder_report(settings.queue))
+    except redis.RedisError:
+        return None
+    bound = None if report is None else json.loads(report).get("window")
+    return {"in_redis": waiting, "bound": bound}
 
 
 def _unserved(beats: list[dict[str, Any]] | None) -> list[str]:

@@ -12,6 +12,8 @@ from producer.enqueue import RunReport
 def enqueue_table(report: RunReport) -> Table:
     """The human summary of an enqueue: one row per dataset."""
     title = f"{'dry run of ' if report.dry_run else ''}enqueue into run {report.run!r}"
+    if report.order_seed is not None:
+        title += f" (order seed {report.order_seed})"
     table = Table(title=shown(title))
     for column in (
         "dataset",

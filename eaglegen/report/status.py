@@ -3,7 +3,7 @@ document. The figures come from eaglegen.report.progress; this module only lays 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Group
@@ -36,10 +36,13 @@ def totals(counts: Sequence[DatasetCounts | DatasetStatus]) -> dict[str, int]:
 
 
 def status_document(
-    snapshot: StatusSnapshot, beats: Sequence[dict[str, Any]] | None
+    snapshot: StatusSnapshot,
+    beats: Sequence[dict[str, Any]] | None,
+    feed: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``eaglegen status --json`` document. ``beats``: the live workers' heartbeats,
-    None when Redis was not asked (then servers carry no in-flight or up/down)."""
+    None when Redis was not asked (then servers carry no in-flight or up/down); ``feed``:
+    the Redis side of the window (``in_redis``, the feeder's ``bound``), None likewise."""
     runs = sorted({d.run for d in snapshot.datasets})
     datasets = []
     for run in runs:
@@ -54,6 +57,7 @@ def status_document(
         "runs": [_run_doc(run, snapshot) for run in runs],
         "servers": server_rows(snapshot.servers, beats or []),
         "errors_without_server": dict(snapshot.unattributed_errors),
+        "window": _window_doc(snapshot, feed),
         "jobs": totals(snapshot.datasets),
         "prompt_tokens": sum(d.done_prompt_tokens for d in snapshot.datasets),
         "completion_tokens": sum(d.done_completion_tokens for d in snapshot.datasets),
@@ -61,12 +65,18 @@ def status_document(
     }
 
 
-def status_view(snapshot: StatusSnapshot, beats: Sequence[dict[str, Any]] | None) -> Group:
-    """The terminal view: datasets, servers and a line per run."""
-    document = status_document(snapshot, beats)
+def status_view(
+    snapshot: StatusSnapshot,
+    beats: Sequence[dict[str, Any]] | None,
+    feed: Mapping[str, Any] | None = None,
+) -> Group:
+    """The terminal view: datasets, servers, the window and a line per run."""
+    document = status_document(snapshot, beats, feed)
     parts: list[Any] = [_datasets_table(document), _budgets_table(document)]
     if document["servers"]:
         parts.append(_servers_table(document, known=beats is not None))
+    if document["datasets"]:
+        parts.append(_window_line(document["window"]))
     parts += [_run_line(run) for run in document["runs"]]
     if not document["datasets"]:
         parts.append(Text("no datasets yet: eaglegen enqueue stores a run's jobs"))
@@ -115,10 +125,36 @@ def _dataset_doc(d: DatasetStatus, progress: Progress, snapshot: StatusSnapshot)
     }
 
 
+def _window_doc(snapshot: StatusSnapshot, feed: Mapping[str, Any] | None) -> dict[str, Any]:
+    queued = sum(d.states.get(JobState.QUEUED.value, 0) for d in snapshot.datasets)
+    return {
+        "in_redis": None if feed is None else feed.get("in_redis"),
+        "bound": None if feed is None else feed.get("bound"),
+        "published": snapshot.published,
+        "unpublished": max(0, queued - snapshot.published),
+    }
+
+
+def _window_line(window: dict[str, Any]) -> Text:
+    line = Text()
+    line.append("window: ", style="bold")
+    if window["in_redis"] is None:
+        line.append("Redis not asked; ")
+    else:
+        bound = "no feeder yet" if window["bound"] is None else f"bound {window['bound']:,}"
+        line.append(f"{window['in_redis']:,} message(s) waiting in Redis ({bound}); ")
+    line.append(
+        f"{window['published']:,} queued job(s) with a message out, "
+        f"{window['unpublished']:,} queued in Postgres for the feeder"
+    )
+    return line
+
+
 def _run_doc(run: str, snapshot: StatusSnapshot) -> dict[str, Any]:
     of_run = [d for d in snapshot.datasets if d.run == run]
     return {
         "run": run,
+        "order_seed": snapshot.order_seeds.get(run),
         "jobs": totals(of_run),
         "prompt_tokens": sum(d.done_prompt_tokens for d in of_run),
         "completion_tokens": sum(d.done_completion_tokens for d in of_run),
@@ -210,6 +246,8 @@ def _run_line(run: dict[str, Any]) -> Text:
     jobs = run["jobs"]
     line = Text()
     line.append(f"run {visible(run['run'])}: ", style="bold")
+    if run["order_seed"] is not None:
+        line.append(f"order seed {run['order_seed']}; ")
     line.append(
         f"{jobs['done']:,} of {jobs['total']:,} jobs done, {jobs['failed']:,} failed, "
         f"{jobs['skipped_budget']:,} skipped; {_rate(run, '10m')} tok/s over 10 min; "

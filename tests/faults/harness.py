@@ -71,7 +71,7 @@ def seed_jobs(
     max_new_tokens: int = 16,
     budget: int | None = None,
 ) -> list[int]:
-    """Insert ``n`` jobs and publish their ids: what `eaglegen enqueue` writes, untemplated."""
+    """Insert ``n`` jobs and wake the feeder: what `eaglegen enqueue` does, untemplated."""
     assert settings.broker_url is not None
     repo = make_repo(settings)
     try:
@@ -97,9 +97,8 @@ def seed_jobs(
     finally:
         repo.engine.dispose()
     assert len(ids) == n, f"{len(ids)} of {n} prompts were new"
-    publisher = Publisher(settings.broker_url, settings.queue)
-    publisher.publish(ids)
-    publisher.close()
+    with Publisher(settings.broker_url, settings.queue) as publisher:
+        publisher.wake_feeder()  # the workers' feeder publishes them
     return ids
 
 

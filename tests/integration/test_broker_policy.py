@@ -99,7 +99,7 @@ def _count(settings: Settings, state: JobState) -> int:
         repo.engine.dispose()
 
 
-def test_enqueue_into_a_full_redis_says_what_is_stored_and_how_to_finish(
+def test_a_full_redis_does_not_stop_an_enqueue_and_the_feeder_publishes_later(
     settings: Settings, tmp_path: Path
 ) -> None:
     server = EmbeddedRedis(tmp_path / "full")
@@ -122,15 +122,16 @@ def test_enqueue_into_a_full_redis_says_what_is_stored_and_how_to_finish(
             "--tokenizer",
             str(TOKENIZER_DIR),
         )
-        assert result.returncode == 2
-        assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1
+        # Redis carries only the window: the jobs are Postgres's, stored whatever Redis says.
+        assert result.returncode == 0, result.stderr
+        assert "Traceback" not in result.stderr and result.stderr.count("warning:") == 1
         message = " ".join(result.stderr.split())
-        assert "refused to store more messages (maxmemory reached" in message
-        assert "Postgres holds 50 job(s) of run 'r'" in message
-        assert "`eaglegen reconcile --republish-after 0`" in message
-        # Following the advice finishes the job: every stored job gets its message.
+        assert "Redis refused to wake the feeder" in message
+        assert "every job above is stored" in message
+        assert client.llen(settings.queue) == 0
+        # Once Redis takes writes, a feeder pass (here the one of `reconcile`) publishes them.
         client.config_set("maxmemory", "0")
-        assert eaglegen(env, "reconcile", "--republish-after", "0").returncode == 0
+        assert eaglegen(env, "reconcile").returncode == 0
         assert client.llen(settings.queue) == 50
     finally:
         client.close()

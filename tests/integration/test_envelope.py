@@ -157,14 +157,21 @@ def test_the_queue_is_read_back_through_the_same_format(broker_url: str) -> None
         assert waiting_job_ids(client, "q") == {1, 2, 3, 4}
 
 
-def test_task_ids_and_delivery_tags_are_unique_and_uuid_shaped() -> None:
-    # kombu keys a worker's unacked messages by delivery tag: two alike would lose one.
-    seen: set[str] = set()
-    for factory in (wire.EnvelopeFactory("q", "h:1"), wire.EnvelopeFactory("q", "h:1")):
-        for job_id in (7, 7, 8):  # the same job published twice gets new ids too
+def test_delivery_tags_are_unique_and_a_jobs_task_id_is_its_own() -> None:
+    # kombu keys a worker's unacked messages by delivery tag: two alike would lose one. The
+    # task id is the job's, so that Flower follows a job through all of its messages.
+    tags: set[str] = set()
+    task_ids: dict[int, set[str]] = {7: set(), 8: set()}
+    for factory in (wire.EnvelopeFactory("q", "h:1"), wire.EnvelopeFactory("q", "h:2")):
+        for job_id in (7, 7, 8):
             message = json.loads(factory(job_id))
-            ids = (message["headers"]["id"], message["properties"]["delivery_tag"])
-            for value in ids:
+            task_id, tag = message["headers"]["id"], message["properties"]["delivery_tag"]
+            for value in (task_id, tag):
                 assert str(uuid.UUID(value)) == value
-            seen.update(ids)
-    assert len(seen) == 12
+            tags.add(tag)
+            task_ids[job_id].add(task_id)
+        later = json.loads(factory.later(8, countdown=1, retries=1))
+        task_ids[8].add(later["headers"]["id"])
+    assert len(tags) == 6
+    assert task_ids == {7: {wire.job_task_id("q", 7)}, 8: {wire.job_task_id("q", 8)}}
+    assert wire.job_task_id("q", 7) != wire.job_task_id("other-queue", 7)

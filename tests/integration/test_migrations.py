@@ -10,6 +10,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import Connection, create_engine, text
 
 from models.db import alembic_config, make_engine
+from models.order import sort_key
 from models.records import NewJob
 from models.schema import Base
 from tests.helpers import InspectRepository
@@ -104,6 +105,20 @@ def test_0005_marks_the_jobs_of_runs_that_expected_reasoning(database_url: str) 
     assert marked == {"reasoning": True, "plain": False}
 
 
+def old_job(conn: Connection, dataset: int, row: int, state: str) -> tuple[int, bytes]:
+    """A job as the schema of 0006 or 0007 holds it, in ``state``; its id and prompt digest."""
+    job = NewJob(row, [1, 2, row + 3], {"messages": [], "tools": None})
+    job_id = conn.execute(
+        text(
+            "INSERT INTO jobs (dataset_id, row_index, prompt_sha256, input_ids,"
+            " prompt_tokens, messages, state) VALUES (:d, :r, :sha, :ids, 3, '{}', :s)"
+            " RETURNING id"
+        ),
+        {"d": dataset, "r": row, "sha": job.prompt_sha256, "ids": job.packed, "s": state},
+    ).scalar_one()
+    return int(job_id), job.prompt_sha256
+
+
 def test_0007_counts_the_jobs_a_dataset_already_has(database_url: str) -> None:
     # 0007 keeps jobs by state and done tokens on the dataset row; it fills them from the
     # jobs and generations stored before it.
@@ -113,15 +128,7 @@ def test_0007_counts_the_jobs_a_dataset_already_has(database_url: str) -> None:
     with engine.begin() as conn:
         dataset = old_dataset(conn, "r")
         for row, state in enumerate(states):
-            job = NewJob(row, [1, 2, row + 3], {"messages": [], "tools": None})
-            job_id = conn.execute(
-                text(
-                    "INSERT INTO jobs (dataset_id, row_index, prompt_sha256, input_ids,"
-                    " prompt_tokens, messages, state) VALUES (:d, :r, :sha, :ids, 3, '{}', :s)"
-                    " RETURNING id"
-                ),
-                {"d": dataset, "r": row, "sha": job.prompt_sha256, "ids": job.packed, "s": state},
-            ).scalar_one()
+            job_id, _digest = old_job(conn, dataset, row, state)
             if state == "done":
                 conn.execute(
                     text(
@@ -149,3 +156,29 @@ def test_0007_counts_the_jobs_a_dataset_already_has(database_url: str) -> None:
     assert copied == 2
     assert InspectRepository(engine).audit(lease_grace_s=1e9) == []
     engine.dispose()
+
+
+def test_0008_gives_existing_jobs_their_order_and_counts_queued_ones_as_published(
+    database_url: str,
+) -> None:
+    # 0008 adds the feeder's order: existing runs get seed 0, their jobs the keys seed 0
+    # gives (computed in SQL, the same as models.order.sort_key), and their queued jobs
+    # count as published (the code before it published every job at enqueue).
+    command.downgrade(alembic_config(database_url), "0007")
+    engine = make_engine(database_url)
+    digests = {}
+    with engine.begin() as conn:
+        dataset = old_dataset(conn, "r")
+        for row, state in enumerate(["queued", "queued", "done", "skipped_budget"]):
+            job_id, digest = old_job(conn, dataset, row, state)
+            digests[job_id] = (digest, state)
+    command.upgrade(alembic_config(database_url), "head")
+    with engine.connect() as conn:
+        seed = conn.scalar(text("SELECT order_seed FROM runs WHERE name = 'r'"))
+        rows = conn.execute(text("SELECT id, sort_key, published_at IS NOT NULL FROM jobs")).all()
+    engine.dispose()
+    assert seed == 0
+    for job_id, key, published in rows:
+        digest, state = digests[job_id]
+        assert key == sort_key(0, digest)
+        assert published == (state == "queued")

@@ -9,30 +9,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-from celery.contrib.testing.worker import start_worker
 
 from core.settings import ServerSpec, Settings
 from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
 from models.states import JobState
 from tests.helpers import enqueue_file, family_tokenizer, sample_rows, wait_settled, write_jsonl
-from worker.app import create_worker_app
+from tests.workers import in_thread_worker
 
 
 @contextmanager
 def worker(settings: Settings) -> Iterator[None]:
     """A real Celery worker (threads pool) in this process, on the settings' servers."""
-    app, context = create_worker_app(settings, settings.services())
-    with start_worker(
-        app,
-        pool="threads",
-        concurrency=16,
-        perform_ping_check=False,
-        queues=[settings.queue],
-        shutdown_timeout=30,
-    ):
+    with in_thread_worker(settings.model_copy(update={"worker_concurrency": 16})):
         yield
-    context.close()
 
 
 @pytest.fixture

@@ -8,23 +8,30 @@ from typing import Any
 import pytest
 import redis
 
+from core.broker import Publisher
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
+from models.db import make_engine
 from models.ledger import BudgetBasis
 from models.repository import Repository
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan, plan_from_run_file
 from producer.runfile import load_run_file
 from tests.helpers import enqueue_file, reference_ids, sample_rows, write_jsonl
+from worker.feeder import Feeder
 
 
 def queue_length(settings: Settings) -> int:
-    assert settings.broker_url is not None
-    client = redis.Redis.from_url(settings.broker_url)
-    try:
+    """Messages in Redis after one pass of the feeder (the enqueue itself publishes none):
+    one per stored job that has none out yet."""
+    url = settings.services().broker_url
+    with redis.Redis.from_url(url) as client, Publisher(url, settings.queue) as publisher:
+        engine = make_engine(settings.services().database_url, pool_size=1)
+        try:
+            Feeder(Repository(engine), client, publisher, window=100_000).feed()
+        finally:
+            engine.dispose()
         return int(client.llen(settings.queue))
-    finally:
-        client.close()
 
 
 def test_stored_input_ids_equal_apply_chat_template(

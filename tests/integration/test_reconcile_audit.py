@@ -10,12 +10,14 @@ import psycopg
 import pytest
 import redis
 
+from core import wire
 from core.broker import PUSH_BYTES, Publisher, waiting_job_ids
 from core.settings import Settings
 from eaglegen.stack import EmbeddedRedis
 from models.records import GenerationRecord
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, write_jsonl
+from worker.feeder import Feeder
 from worker.reconcile import reconcile
 from worker.slots import SlotPool
 
@@ -39,19 +41,28 @@ def test_slots_hold_the_limit_and_lapse_when_not_renewed(client: redis.Redis) ->
     assert pool.try_acquire("s", limit=3) is not None
 
 
+def feed(repo: Repository, url: str, queue: str, window: int = 10_000) -> int:
+    """One feeder pass with a window of ``window`` messages; how many it published."""
+    with redis.Redis.from_url(url) as client, Publisher(url, queue) as publisher:
+        return Feeder(repo, client, publisher, window=window).feed().published
+
+
 def test_reconciler_republishes_what_redis_lost(
     settings: Settings, repo: Repository, client: redis.Redis, tmp_path: Path
 ) -> None:
     enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(30)))
     ids = repo.job_ids()
+    url = settings.services().broker_url
+    assert waiting_job_ids(client, settings.queue) == set()  # the feeder publishes, not enqueue
+    assert feed(repo, url, settings.queue) == 30
     assert waiting_job_ids(client, settings.queue) == set(ids)
-    publisher = Publisher(settings.services().broker_url, settings.queue)
-    quiet = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
+    quiet = reconcile(repo, client, settings.queue, max_attempts=3, republish_after_s=0)
     assert quiet.republished == 0  # nothing missing: no duplicate messages
+    assert feed(repo, url, settings.queue) == 0
     client.flushdb()  # Redis restarted empty
-    report = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
-    publisher.close()
+    report = reconcile(repo, client, settings.queue, max_attempts=3, republish_after_s=0)
     assert (report.republished, report.expired_leases) == (30, 0)
+    assert feed(repo, url, settings.queue) == 30
     assert waiting_job_ids(client, settings.queue) == set(ids)
 
 
@@ -59,14 +70,14 @@ def test_reconciler_requeues_jobs_of_dead_workers(
     settings: Settings, repo: Repository, client: redis.Redis, tmp_path: Path
 ) -> None:
     enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(3)))
-    client.flushdb()
-    first = repo.job_ids()[0]
-    assert repo.claim(first, "dead", lease_seconds=1).job is not None
+    url = settings.services().broker_url
+    assert feed(repo, url, settings.queue) == 3
+    first = wire.job_id_of(client.rpop(settings.queue))  # taken by a worker that then dies
+    assert first is not None and repo.claim(first, "dead", lease_seconds=1).job is not None
     time.sleep(1.2)
-    publisher = Publisher(settings.services().broker_url, settings.queue)
-    report = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
-    publisher.close()
-    assert report.expired_leases == 1
+    report = reconcile(repo, client, settings.queue, max_attempts=3, republish_after_s=60)
+    assert (report.expired_leases, report.republished) == (1, 0)
+    assert feed(repo, url, settings.queue) == 1
     assert waiting_job_ids(client, settings.queue) == set(repo.job_ids())
 
 
@@ -89,12 +100,12 @@ def test_audit_passes_on_a_clean_run_and_names_a_broken_ledger(
     assert any("used_tokens 7 != 2 recorded" in p for p in problems), problems
 
 
-def test_reconciler_republishes_in_bounded_commands(
+def test_the_feeder_publishes_in_bounded_commands(
     settings: Settings, repo: Repository, tmp_path: Path
 ) -> None:
-    # Redis restarted empty under N queued jobs: the messages go back in LPUSHes of at most
-    # PUSH_BYTES each, not in one command of all N built whole in memory, which for a large
-    # run meets the server's client-query-buffer-limit (message size: BENCHMARKS.md).
+    # A window of N messages goes out in LPUSHes of at most PUSH_BYTES each, not in one
+    # command of all N built whole in memory, which for a large window meets the server's
+    # client-query-buffer-limit (message size: BENCHMARKS.md).
     rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3000)]
     enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", rows))
     ids = repo.job_ids()
@@ -102,9 +113,7 @@ def test_reconciler_republishes_in_bounded_commands(
     server.start()
     client = redis.Redis.from_url(server.url)
     try:
-        with Publisher(server.url, settings.queue) as publisher:
-            report = reconcile(repo, client, publisher, max_attempts=3, republish_after_s=0)
-        assert report.republished == len(ids) == 3000
+        assert feed(repo, server.url, settings.queue) == len(ids) == 3000
         assert waiting_job_ids(client, settings.queue) == set(ids)
         total = sum(len(m) for m in client.lrange(settings.queue, 0, -1))
         calls = client.info("commandstats")["cmdstat_lpush"]["calls"]

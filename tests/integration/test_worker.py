@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-from celery.contrib.testing.worker import start_worker
 from sqlalchemy import text
 
 import worker.retry
@@ -25,8 +23,7 @@ from core.settings import ServerSpec, Settings
 from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
-from worker.app import create_worker_app
-from worker.background import Background
+from tests.workers import in_thread_worker
 from worker.commands import alive_workers
 from worker.runner import WorkerContext
 
@@ -79,25 +76,8 @@ def tuned(settings: Settings, **overrides: Any) -> Settings:
 @contextmanager
 def running_worker(settings: Settings) -> Iterator[WorkerContext]:
     """A worker as `eaglegen worker` runs it: Celery threads pool plus the side loops."""
-    app, holder = create_worker_app(settings, settings.services())
-    ctx = holder.get()
-    name = f"eaglegen-test-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
-    background = Background(ctx, app, name)
-    background.start()
-    try:
-        with start_worker(
-            app,
-            pool="threads",
-            concurrency=settings.worker_concurrency,
-            perform_ping_check=False,
-            queues=[settings.queue],
-            shutdown_timeout=30,
-            hostname=name,
-        ):
-            yield ctx
-    finally:
-        background.stop()
-        holder.close()
+    with in_thread_worker(settings) as (ctx, _name):
+        yield ctx
 
 
 def enqueue(settings: Settings, tmp_path: Path, n: int, max_new_tokens: int = 32) -> None:

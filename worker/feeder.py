@@ -1,0 +1,141 @@
+"""The feeder: keeps a bounded window of messages in Redis, topped up from Postgres.
+
+Postgres holds every queued job; Redis carries only the next few (DESIGN §7). One worker of
+the cluster feeds (it holds ``keys.feeder_lock``, as the reconciler does): at each pass it
+tops the queue list up to the window, with the next jobs of each dataset in its seeded
+order (models.order), the datasets interleaved so that each advances in proportion to its
+work (worker.shares). It never publishes a job of a spent budget: those are skipped where
+they lie. Jobs sent back after an attempt come back through the same order once their
+backoff is over.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from core import keys, wire
+from core.broker import Publisher
+from models.feed import FeedDataset
+from models.repository import Repository
+from worker.shares import allocate, share_of
+
+log = logging.getLogger(__name__)
+# The window when none is set: this many times the cluster's in-flight capacity, so that
+# a worker that finishes a request always finds its next message waiting.
+WINDOW_FACTOR = 2
+MIN_WINDOW = 64
+# How long `status` trusts the feeder's last report (it is rewritten at every pass).
+REPORT_TTL_S = 60
+
+
+@dataclass(frozen=True)
+class FeedReport:
+    """What one pass found and did."""
+
+    window: int
+    in_redis: int  # messages waiting in the queue list before the pass
+    published: int
+    skipped: int  # jobs of spent budgets skipped unpublished
+
+    @property
+    def drained(self) -> bool:
+        """The list was below half the window: workers take faster than one pass a
+        feed interval gives, so the next pass should come at once."""
+        return self.in_redis < self.window // 2
+
+    def as_dict(self) -> dict[str, int]:
+        """The ``--json`` shape."""
+        return {
+            "window": self.window,
+            "in_redis": self.in_redis,
+            "published": self.published,
+            "skipped": self.skipped,
+        }
+
+
+class Feeder:
+    """One queue's feeder; ``feed`` is one pass (safe anywhere, any number of times)."""
+
+    def __init__(
+        self,
+        repo: Repository,
+        client: redis.Redis,
+        publisher: Publisher,
+        *,
+        window: int | None = None,
+        on_skipped: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        self.repo = repo
+        self.client = client
+        self.publisher = publisher
+        self.window = window
+        # Told the skipped jobs that had a message before (Flower shows their last state).
+        self.on_skipped = on_skipped
+
+    def feed(self) -> FeedReport:
+        """Skip spent datasets' jobs, then top the queue list up to the window."""
+        window = self.window or auto_window(self.client)
+        in_redis = int(self.client.llen(self.publisher.queue))
+        datasets = self.repo.feed_datasets()
+        skipped = sum(self._skip(d) for d in datasets if d.spent and d.ready)
+        order = allocate([share_of(d) for d in datasets if not d.spent], window - in_redis)
+        published = 0
+        if order:
+            tags = {d.dataset_id: wire.tag(d.dataset, d.run) for d in datasets}
+
+            def publish(taken: dict[int, list[int]]) -> None:
+                nonlocal published
+                ids = interleave(order, taken)
+                labels = {job: tags[d] for d, jobs in taken.items() for job in jobs}
+                published = self.publisher.publish(ids, labels)
+
+            self.repo.take_next(Counter(order), publish)
+        report = FeedReport(window, in_redis, published, skipped)
+        self.client.set(
+            keys.feeder_report(self.publisher.queue),
+            json.dumps(report.as_dict()),
+            ex=REPORT_TTL_S,
+        )
+        return report
+
+    def _skip(self, dataset: FeedDataset) -> int:
+        count, known = self.repo.skip_spent(dataset.dataset_id)
+        if known and self.on_skipped is not None:
+            self.on_skipped(known)
+        return count
+
+
+def interleave(order: list[int], taken: dict[int, list[int]]) -> list[int]:
+    """The jobs taken per dataset, laid out in the allocation's order of datasets (a
+    dataset that yielded fewer jobs than asked for leaves its later places out)."""
+    queues = {d: iter(jobs) for d, jobs in taken.items()}
+    return [job for d in order if (job := next(queues.get(d, iter(())), None)) is not None]
+
+
+def auto_window(client: redis.Redis) -> int:
+    """``WINDOW_FACTOR`` times what the live workers can run at once: the lesser of their
+    threads and their servers' in-flight limits (each server counted once)."""
+    threads, limits = 0, {}
+    for beat in _heartbeats(client):
+        threads += int(beat.get("threads") or 0)
+        for name, server in (beat.get("servers") or {}).items():
+            limits[name] = int(server.get("limit") or 0)
+    capacity = min(threads, sum(limits.values())) if limits else threads
+    return max(MIN_WINDOW, WINDOW_FACTOR * capacity)
+
+
+def _heartbeats(client: redis.Redis) -> Iterable[dict[str, Any]]:
+    for key in client.scan_iter(keys.heartbeat_pattern()):
+        raw = client.get(key)
+        if raw is not None:
+            try:
+                yield json.loads(raw)
+            except ValueError:
+                continue
