@@ -1,8 +1,8 @@
 """The feeder: keeps a bounded window of messages in Redis, topped up from Postgres.
 
 Postgres holds every queued job; Redis carries only the next few (DESIGN §7). One worker of
-the cluster feeds (it holds ``keys.feeder_lock``, as the reconciler does): at each pass it
-tops the queue list up to the window, with the next jobs of each dataset in its seeded
+the cluster feeds (it holds ``keys.feeder_lock``, as the reconciler does): once the queue
+list is down to half the window it tops it up, with the next jobs of each dataset in its seeded
 order (models.order), the datasets interleaved so that each advances in proportion to its
 work (worker.shares). It never publishes a job of a spent budget: those are skipped where
 they lie. Jobs sent back after an attempt come back through the same order once their
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ WINDOW_FACTOR = 2
 MIN_WINDOW = 64
 # How long `status` trusts the feeder's last report (it is rewritten at every pass).
 REPORT_TTL_S = 60
+WINDOW_TTL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,9 @@ class FeedReport:
 
     @property
     def drained(self) -> bool:
-        """The list was below half the window: workers take faster than one pass a
-        feed interval gives, so the next pass should come at once."""
-        return self.in_redis < self.window // 2
+        """The list was down to half the window, so this pass topped it up: workers may
+        take faster than one pass a feed interval gives, and the next should come at once."""
+        return self.in_redis <= self.window // 2
 
     def as_dict(self) -> dict[str, int]:
         """The ``--json`` shape."""
@@ -78,11 +80,15 @@ class Feeder:
         self.window = window
         # Told the skipped jobs that had a message before (Flower shows their last state).
         self.on_skipped = on_skipped
+        self._auto: tuple[float, int] | None = None  # (until, window) from the heartbeats
 
     def feed(self) -> FeedReport:
-        """Skip spent datasets' jobs, then top the queue list up to the window."""
-        window = self.window or auto_window(self.client)
+        """Once the queue list is down to half the window: skip spent datasets' jobs, then
+        top it up to the window. Above half, a pass costs one LLEN and no query."""
+        window = self._window()
         in_redis = int(self.client.llen(self.publisher.queue))
+        if in_redis > window // 2:
+            return self._report(FeedReport(window, in_redis, 0, 0))
         datasets = self.repo.feed_datasets()
         skipped = sum(self._skip(d) for d in datasets if d.spent and d.ready)
         order = allocate([share_of(d) for d in datasets if not d.spent], window - in_redis)
@@ -97,13 +103,23 @@ class Feeder:
                 published = self.publisher.publish(ids, labels)
 
             self.repo.take_next(Counter(order), publish)
-        report = FeedReport(window, in_redis, published, skipped)
-        self.client.set(
-            keys.feeder_report(self.publisher.queue),
-            json.dumps(report.as_dict()),
-            ex=REPORT_TTL_S,
-        )
+        return self._report(FeedReport(window, in_redis, published, skipped))
+
+    def _report(self, report: FeedReport) -> FeedReport:
+        """Leave the pass's figures for `status`."""
+        key = keys.feeder_report(self.publisher.queue)
+        self.client.set(key, json.dumps(report.as_dict()), ex=REPORT_TTL_S)
         return report
+
+    def _window(self) -> int:
+        """The window set, else the one the live workers' heartbeats give (re-read every
+        WINDOW_TTL_S: the heartbeats change at the pace of workers starting and stopping)."""
+        if self.window:
+            return self.window
+        now = time.monotonic()
+        if self._auto is None or now >= self._auto[0]:
+            self._auto = (now + WINDOW_TTL_S, auto_window(self.client))
+        return self._auto[1]
 
     def _skip(self, dataset: FeedDataset) -> int:
         count, known = self.repo.skip_spent(dataset.dataset_id)
