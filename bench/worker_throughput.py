@@ -191,6 +191,8 @@ def worker_process(
         "EAGLEGEN_QUEUE": settings.queue,
         "EAGLEGEN_SERVERS": json.dumps([{"name": "sim", "url": sim_url}]),
         "EAGLEGEN_SERVER_MAX_INFLIGHT": str(concurrency),
+        # The same concurrency as the bare client, held: this compares the pipeline's cost.
+        "EAGLEGEN_ADAPTIVE_CONCURRENCY": "false",
         "EAGLEGEN_DATA_DIR": str(log.parent),
         "EAGLEGEN_STREAM": "true" if stream else "false",
     }

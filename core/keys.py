@@ -43,3 +43,13 @@ def feeder_wake(queue: str) -> str:
 def feeder_report(queue: str) -> str:
     """The feeder's last pass (window, messages in Redis), for `status`; expires."""
     return f"{PREFIX}:feeder-report:{queue}"
+
+
+def controller_lock(server: str) -> str:
+    """Held by the one worker process that sets ``server``'s in-flight limit."""
+    return f"{PREFIX}:controller:{server}"
+
+
+def limit(server: str) -> str:
+    """The in-flight limit the controller set for ``server``, with its reason (JSON)."""
+    return f"{PREFIX}:limit:{server}"

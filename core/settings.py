@@ -95,8 +95,17 @@ class Settings(BaseSettings):
     max_response_bytes: int = Field(default=64 << 20, ge=1 << 16)
     lease_seconds: int = Field(default=600, ge=2)
     queue: str = "eaglegen"
-    # In-flight limit per server when its spec sets none (all workers and hosts together).
+    # In-flight limit per server when its spec sets none (all workers and hosts together):
+    # where the adaptive controller starts, and the limit while it has set none.
     server_max_inflight: int = Field(default=256, ge=1)
+    # A controller per server (worker.controller) moves the limit of every server whose spec
+    # fixes none, within [concurrency_min, concurrency_max], every concurrency_interval_s,
+    # keeping KV usage under concurrency_kv_target; off: the limit stays as configured.
+    adaptive_concurrency: bool = True
+    concurrency_interval_s: float = Field(default=5.0, gt=0)
+    concurrency_min: int = Field(default=4, ge=1)
+    concurrency_max: int = Field(default=1024, ge=1)
+    concurrency_kv_target: float = Field(default=0.9, gt=0, le=1)
     slot_lease_seconds: float = Field(default=60.0, gt=0)
     slot_wait_s: float = Field(default=10.0, ge=0)
     health_interval_s: float = Field(default=10.0, gt=0)

@@ -16,10 +16,13 @@ from celery import Celery
 
 from core import keys, wire
 from core.broker import redis_now, wake_feeder
+from worker.controller import LimitControllers
 from worker.feeder import Feeder
+from worker.leader import Leadership
 from worker.reconcile import reconcile
 from worker.runner import WorkerContext, heartbeat_ttl
 from worker.servers import probe
+from worker.slots import SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,16 @@ class Background:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._consuming_lock = threading.Lock()
+        self._leadership = Leadership(ctx.redis, ctx.name)
+        s = ctx.settings
+        # One concurrency controller per server whose limit is not fixed (worker.controller).
+        self.limits = LimitControllers.for_worker(
+            ctx.router.servers,
+            ctx.redis,
+            ctx.name,
+            SlotPool(ctx.redis, lease_seconds=s.slot_lease_seconds),
+            s,
+        )
         # A request that finds its server gone pauses consumption at once, not a loop later.
         ctx.router.on_change.append(lambda: self._set_consuming(ctx.router.any_healthy()))
 
@@ -52,6 +65,8 @@ class Background:
         self._loop("leases", min(s.lease_seconds, s.slot_lease_seconds) / 3, self.renew)
         self._loop("reconciler", s.reconcile_interval_s, self.reconcile_if_leader)
         self._start_thread("feeder", self._feed_loop)
+        if self.limits.controllers:
+            self._loop("concurrency", s.concurrency_interval_s, self.limits.step)
 
     def stop(self) -> None:
         """Stop the loops, remove the heartbeat and hand the feeder's lock on."""
@@ -60,8 +75,7 @@ class Background:
             thread.join(timeout=5)
         try:
             self.ctx.redis.delete(keys.heartbeat(socket.gethostname(), os.getpid()))
-            if self._holder(keys.feeder_lock(self.ctx.settings.queue)) == self.ctx.name:
-                self.ctx.redis.delete(keys.feeder_lock(self.ctx.settings.queue))
+            self._leadership.release(keys.feeder_lock(self.ctx.settings.queue))
         except redis.RedisError:  # Redis down: the heartbeat expires by itself
             log.warning("could not remove the heartbeat; it expires in a few beats")
 
@@ -83,6 +97,7 @@ class Background:
     def beat(self) -> None:
         """Write this process's heartbeat (expires after three missed beats)."""
         s = self.ctx.settings
+        adaptive = {c.server.name for c in self.limits.controllers}
         record = {
             **self.info,
             "worker": self.ctx.name,
@@ -100,7 +115,8 @@ class Background:
                     "healthy": srv.healthy,
                     "reason": srv.reason,
                     "held": len(srv.held),
-                    "limit": srv.limit,
+                    "limit": self.ctx.router.limit(srv),
+                    "adaptive": srv.name in adaptive,
                     "model": srv.served.model_path if srv.served else None,
                 }
                 for srv in self.ctx.router.servers
@@ -151,21 +167,10 @@ class Background:
             self.ctx.running_jobs(), self.ctx.name, self.ctx.settings.lease_seconds
         )
 
-    def _lead(self, key: str, ttl_s: float) -> bool:
-        """Hold (or win) the lock ``key`` for ``ttl_s`` more seconds; whether we hold it."""
-        holder = self._holder(key)
-        if holder is not None and holder != self.ctx.name:
-            return False
-        return bool(self.ctx.redis.set(key, self.ctx.name, px=int(ttl_s * 1000), nx=holder is None))
-
-    def _holder(self, key: str) -> str | None:
-        raw = self.ctx.redis.get(key)
-        return None if raw is None else (raw.decode() if isinstance(raw, bytes) else str(raw))
-
     def reconcile_if_leader(self) -> None:
         """Run the reconciler when this worker holds (or wins) the Redis lock."""
         s = self.ctx.settings
-        if not self._lead(keys.reconciler_lock(s.queue), 2 * s.reconcile_interval_s):
+        if not self._leadership.hold(keys.reconciler_lock(s.queue), 2 * s.reconcile_interval_s):
             return
         report = reconcile(
             self.ctx.repo,
@@ -204,7 +209,8 @@ class Background:
         wake = keys.feeder_wake(s.queue)
         while not self._stop.is_set():
             try:
-                if not self._lead(keys.feeder_lock(s.queue), max(10.0, 5 * s.feed_interval_s)):
+                lock_ttl_s = max(10.0, 5 * s.feed_interval_s)
+                if not self._leadership.hold(keys.feeder_lock(s.queue), lock_ttl_s):
                     self._stop.wait(s.feed_interval_s)
                     continue
                 report = feeder.feed()

@@ -24,6 +24,7 @@ from core.settings import ServerSpec, Services, Settings
 from models.db import make_engine
 from models.records import ClaimedJob, GenerationRecord, RunModel
 from models.repository import Repository
+from worker.controller import SharedLimits
 from worker.metrics import WorkerMetrics
 from worker.names import ServerNames
 from worker.reasoning import split_reasoning
@@ -132,7 +133,10 @@ class WorkerContext:
             )
             for s in servers
         ]
-        router = Router(attached, SlotPool(client, lease_seconds=settings.slot_lease_seconds))
+        slots = SlotPool(client, lease_seconds=settings.slot_lease_seconds)
+        # The adaptive limits the controllers set (worker.controller), else the configured.
+        limits = SharedLimits(client).get if settings.adaptive_concurrency else None
+        router = Router(attached, slots, limits=limits)
         metrics = WorkerMetrics()
         metrics.known_servers([s.name for s in attached])
         repo = Repository(engine)

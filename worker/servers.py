@@ -57,10 +57,18 @@ class Lease:
 class Router:
     """Hands out slots on healthy servers, least busy first; routing is by pull."""
 
-    def __init__(self, servers: list[Server], slots: SlotPool, poll_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        servers: list[Server],
+        slots: SlotPool,
+        poll_s: float = 0.05,
+        limits: Callable[[Server], int] | None = None,
+    ) -> None:
         self.servers = servers
         self._slots = slots
         self._poll_s = poll_s
+        # A server's in-flight limit now (the adaptive one, worker.controller.SharedLimits).
+        self.limit: Callable[[Server], int] = limits or (lambda server: server.limit)
         self._lock = threading.Lock()
         self._identifying = threading.Lock()
         # Called after any server changes health (the worker pauses or resumes consuming).
@@ -106,7 +114,7 @@ class Router:
         for server in sorted(candidates, key=lambda s: len(s.held)):
             if not server.healthy:
                 continue
-            token = self._slots.try_acquire(server.name, server.limit)
+            token = self._slots.try_acquire(server.name, self.limit(server))
             if token is not None:
                 with self._lock:
                     server.held.add(token)

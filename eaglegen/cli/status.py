@@ -6,10 +6,10 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 
 from core.names import check_name
@@ -27,6 +27,9 @@ from eaglegen.cli.base import (
     repository,
 )
 from eaglegen.report.text import inline
+
+if TYPE_CHECKING:
+    from models.records import StatusSnapshot
 
 app = typer.Typer()
 # A heartbeat older than this is a worker gone (heartbeats are renewed every few seconds).
@@ -52,22 +55,17 @@ def status(
     name = None if run is None else check_name("run", run)
     with repository(database(settings)) as repo:
         if watch and not json_out:
-            _watch(
-                lambda: status_view(
-                    repo.status(name), _beats(settings.broker_url), _feed(settings)
-                ),
-                interval,
-            )
+            _watch(lambda: _view(settings, repo.status(name)), interval)
             return
         snapshot = repo.status(name)
         in_use, limit = repo.postgres_connections()
-    beats, feed = _beats(settings.broker_url), _feed(settings)
+    beats = _beats(settings.broker_url)
     if json_out:
-        document = status_document(snapshot, beats, feed)
+        document = status_document(snapshot, beats, _redis_state(settings, beats))
         document["postgres_connections"] = {"in_use": in_use, "max": limit}
         emit_json(document)
     else:
-        Console().print(status_view(snapshot, beats, feed))
+        Console().print(status_view(snapshot, beats, _redis_state(settings, beats)))
     warnings = [
         connections_warning(in_use, limit),
         broker_warning(settings.broker_url),
@@ -110,6 +108,14 @@ def exporter(
             thread.join(timeout=5)
 
 
+def _view(settings: Settings, snapshot: StatusSnapshot) -> Group:
+    """The terminal view of a snapshot with what Redis says now."""
+    from eaglegen.report.status import status_view
+
+    beats = _beats(settings.broker_url)
+    return status_view(snapshot, beats, _redis_state(settings, beats))
+
+
 def _watch(view: Any, interval: float) -> None:
     """Redraw ``view()`` every ``interval`` seconds until Ctrl-C (which ends it cleanly)."""
     try:
@@ -136,25 +142,32 @@ def _beats(broker_url: str | None) -> list[dict[str, Any]] | None:
         return None
 
 
-def _feed(settings: Settings) -> dict[str, Any] | None:
-    """The Redis side of the window: messages waiting in the queue list and the feeder's
-    bound (from its last pass); None without a broker or when it does not answer."""
+def _redis_state(settings: Settings, beats: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """What Redis holds besides heartbeats: messages waiting in the queue list, the
+    feeder's bound (from its last pass), and why each adaptive limit is what it is; None
+    without a broker or when it does not answer."""
     import json
 
     import redis
 
     from core import keys
+    from worker.controller import read_limit
 
     if settings.broker_url is None:
         return None
+    servers = sorted({name for beat in beats or [] for name in beat.get("servers") or {}})
     try:
         with redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5) as client:
             waiting = int(client.llen(settings.queue))
             report = client.get(keys.feeder_report(settings.queue))
+            records = {name: read_limit(client, name) for name in servers}
     except redis.RedisError:
         return None
-    bound = None if report is None else json.loads(report).get("window")
-    return {"in_redis": waiting, "bound": bound}
+    return {
+        "in_redis": waiting,
+        "bound": None if report is None else json.loads(report).get("window"),
+        "limit_reasons": {name: r.reason for name, r in records.items() if r is not None},
+    }
 
 
 def _unserved(beats: list[dict[str, Any]] | None) -> list[str]:

@@ -132,15 +132,20 @@ def server_rows(
     seen: dict[str, dict[str, Any]] = {}
     for beat in beats:
         for name, info in (beat.get("servers") or {}).items():
-            row = seen.setdefault(name, {"in_flight": 0, "limit": 0, "up": False, "workers": 0})
+            row = seen.setdefault(
+                name, {"in_flight": 0, "limit": 0, "adaptive": False, "up": False, "workers": 0}
+            )
             row["in_flight"] += int(info.get("held", 0))
             row["limit"] = max(row["limit"], int(info.get("limit", 0)))
+            row["adaptive"] = row["adaptive"] or bool(info.get("adaptive"))
             row["up"] = row["up"] or bool(info.get("healthy"))
             row["workers"] += 1
     recent = {s.name: s for s in servers}
     rows = []
     for name in sorted(seen.keys() | recent.keys()):
-        live = seen.get(name, {"in_flight": None, "limit": None, "up": None, "workers": 0})
+        live = seen.get(
+            name, {"in_flight": None, "limit": None, "adaptive": None, "up": None, "workers": 0}
+        )
         status = recent.get(name)
         shortest = window_rate(status.windows[0]) if status and status.windows else None
         rows.append(

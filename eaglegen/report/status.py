@@ -38,11 +38,12 @@ def totals(counts: Sequence[DatasetCounts | DatasetStatus]) -> dict[str, int]:
 def status_document(
     snapshot: StatusSnapshot,
     beats: Sequence[dict[str, Any]] | None,
-    feed: Mapping[str, Any] | None = None,
+    redis_state: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``eaglegen status --json`` document. ``beats``: the live workers' heartbeats,
-    None when Redis was not asked (then servers carry no in-flight or up/down); ``feed``:
-    the Redis side of the window (``in_redis``, the feeder's ``bound``), None likewise."""
+    None when Redis was not asked (then servers carry no in-flight or up/down);
+    ``redis_state``: the Redis side of the window (``in_redis``, the feeder's ``bound``) and
+    why each adaptive limit is what it is (``limit_reasons``), None likewise."""
     runs = sorted({d.run for d in snapshot.datasets})
     datasets = []
     for run in runs:
@@ -55,9 +56,9 @@ def status_document(
         "windows_s": list(snapshot.windows_s),
         "datasets": datasets,
         "runs": [_run_doc(run, snapshot) for run in runs],
-        "servers": server_rows(snapshot.servers, beats or []),
+        "servers": _with_reasons(server_rows(snapshot.servers, beats or []), redis_state),
         "errors_without_server": dict(snapshot.unattributed_errors),
-        "window": _window_doc(snapshot, feed),
+        "window": _window_doc(snapshot, redis_state),
         "jobs": totals(snapshot.datasets),
         "prompt_tokens": sum(d.done_prompt_tokens for d in snapshot.datasets),
         "completion_tokens": sum(d.done_completion_tokens for d in snapshot.datasets),
@@ -68,10 +69,10 @@ def status_document(
 def status_view(
     snapshot: StatusSnapshot,
     beats: Sequence[dict[str, Any]] | None,
-    feed: Mapping[str, Any] | None = None,
+    redis_state: Mapping[str, Any] | None = None,
 ) -> Group:
     """The terminal view: datasets, servers, the window and a line per run."""
-    document = status_document(snapshot, beats, feed)
+    document = status_document(snapshot, beats, redis_state)
     parts: list[Any] = [_datasets_table(document), _budgets_table(document)]
     if document["servers"]:
         parts.append(_servers_table(document, known=beats is not None))
@@ -125,11 +126,19 @@ def _dataset_doc(d: DatasetStatus, progress: Progress, snapshot: StatusSnapshot)
     }
 
 
-def _window_doc(snapshot: StatusSnapshot, feed: Mapping[str, Any] | None) -> dict[str, Any]:
+def _with_reasons(
+    rows: list[dict[str, Any]], redis_state: Mapping[str, Any] | None
+) -> list[dict[str, Any]]:
+    reasons = (redis_state or {}).get("limit_reasons") or {}
+    return [{**row, "limit_reason": reasons.get(row["name"])} for row in rows]
+
+
+def _window_doc(snapshot: StatusSnapshot, redis_state: Mapping[str, Any] | None) -> dict[str, Any]:
     queued = sum(d.states.get(JobState.QUEUED.value, 0) for d in snapshot.datasets)
+    state = redis_state or {}
     return {
-        "in_redis": None if feed is None else feed.get("in_redis"),
-        "bound": None if feed is None else feed.get("bound"),
+        "in_redis": state.get("in_redis"),
+        "bound": state.get("bound"),
         "published": snapshot.published,
         "unpublished": max(0, queued - snapshot.published),
     }
@@ -217,9 +226,9 @@ def _budgets_table(document: dict[str, Any]) -> Table:
 
 def _servers_table(document: dict[str, Any], *, known: bool) -> Table:
     table = Table(title="servers", title_justify="left")
-    for name in ("server", "state", "in flight", "tok/s 1m", "done/min 1m", "errors 10m"):
+    for name in ("server", "state", "in flight", "tok/s 1m", "done/min 1m", "errors 10m", "limit"):
         table.add_column(
-            name, justify="left" if name in ("server", "state", "errors 10m") else "right"
+            name, justify="left" if name in ("server", "state", "errors 10m", "limit") else "right"
         )
     for s in document["servers"]:
         if not known:
@@ -238,8 +247,19 @@ def _servers_table(document: dict[str, Any], *, known: bool) -> Table:
             f"{s['completion_tok_s_1m']:,.1f}",
             f"{s['completions_per_min_1m']:,.1f}",
             shown(errors),
+            shown(_limit_cell(s)),
         )
     return table
+
+
+def _limit_cell(server: dict[str, Any]) -> str:
+    """How the server's in-flight limit is set: fixed, or adaptive with its last reason."""
+    if server["adaptive"] is None:
+        return "-"
+    if not server["adaptive"]:
+        return "fixed"
+    reason = server.get("limit_reason")
+    return f"adaptive: {reason}" if reason else "adaptive"
 
 
 def _run_line(run: dict[str, Any]) -> Text:

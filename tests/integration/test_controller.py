@@ -1,0 +1,257 @@
+"""The adaptive limit over HTTP and Redis: a real simulator, real Redis, threads that take their
+slots through the Router. Two controllers, one writes; the limit moves to the server's knee; the
+Router holds the in-flight count under it; a second controller takes over from the stored
+limit when the first stops; a fixed limit stays fixed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from core import keys
+from core.settings import ServerSpec, Settings
+from eaglegen import assets
+from eaglegen.sim import SimConfig, SimServer
+from models.repository import Repository
+from tests.e2e.test_cli import eaglegen
+from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
+from tests.workers import in_thread_worker
+from worker.concurrency import Tuning
+from worker.controller import (
+    ControllerSettings,
+    LimitController,
+    LimitControllers,
+    LimitRecord,
+    SharedLimits,
+    read_limit,
+)
+from worker.servers import Router, Server
+from worker.sglang import SGLangClient
+from worker.slots import SlotPool
+
+IDS = assets.special_ids(assets.TOKENIZER_DIR)
+# A batch of at most 8 requests (max_running_requests), answers of ~0.2 s: the knee is 8.
+CAPPED = SimConfig(
+    seed=7,
+    max_running_requests=8,
+    context_length=4096,
+    decode_step_ms=1.0,
+    decode_ms_per_request=0.05,
+    mean_output_tokens=150,
+)
+START = 32
+INTERVAL_S = 0.1
+CONFIG = ControllerSettings(interval_s=INTERVAL_S, start=START)
+
+
+@pytest.fixture(scope="module")
+def capped_sim() -> Iterator[SimServer]:
+    """The capped simulator, shared by this module's tests."""
+    with SimServer(CAPPED) as server:
+        yield server
+
+
+@pytest.fixture
+def client(broker_url: str) -> Iterator[redis.Redis]:
+    """This test's own Redis db."""
+    connection = redis.Redis.from_url(broker_url)
+    yield connection
+    connection.close()
+
+
+Attach = Callable[..., Server]
+
+
+@pytest.fixture
+def attach(capped_sim: SimServer) -> Iterator[Attach]:
+    """Attach the simulator as a worker does, its configured limit the fallback; closed after."""
+    made: list[Server] = []
+
+    def make(max_inflight: int | None = None) -> Server:
+        # A name of its own: another test session may share this Redis.
+        name = f"sim-{uuid.uuid4().hex[:8]}"
+        spec = ServerSpec(name=name, url=capped_sim.url, max_inflight=max_inflight)
+        client = SGLangClient(spec, timeout_s=30)
+        made.append(Server(spec=spec, client=client, limit=max_inflight or START))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.client.close()
+
+
+class Load:
+    """Threads that each take a slot through the Router, generate, and give it back."""
+
+    def __init__(self, router: Router, url: str, threads: int) -> None:
+        """Not started."""
+        self.router, self.url, self.stop = router, url, threading.Event()
+        self._ids = itertools.count()
+        self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads)]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as http:
+            while not self.stop.is_set():
+                lease = self.router.acquire(timeout_s=0.2)
+                if lease is None:
+                    continue
+                try:
+                    i = next(self._ids)
+                    own = [100 + (i * 7919 + k * 31) % 3900 for k in range(40)]
+                    body = {
+                        "input_ids": [IDS.bos, *own, IDS.think_start],
+                        "sampling_params": {"max_new_tokens": 256},
+                    }
+                    http.post("/generate", json=body).raise_for_status()
+                finally:
+                    self.router.release(lease)
+
+
+def test_one_controller_moves_the_shared_limit_to_the_knee_and_the_router_holds_it(
+    capped_sim: SimServer, client: redis.Redis, attach: Attach
+) -> None:
+    server = attach()
+    slots = SlotPool(client, lease_seconds=30)
+    limits = SharedLimits(client, ttl_s=0.1)
+    router = Router([server], slots, limits=limits.get)
+    a = LimitController(server, client, "worker-a", slots, CONFIG)
+    b = LimitController(server, client, "worker-b", slots, CONFIG)
+    writers, held = set(), []
+    with Load(router, capped_sim.url, threads=48):
+        for _ in range(40):
+            for controller in (a, b):
+                if controller.step() is not None:
+                    writers.add(controller.owner)
+            record = read_limit(client, server.name)
+            assert record is not None
+            held.append((slots.in_flight(server.name), record.limit))
+            time.sleep(INTERVAL_S)
+    assert writers == {"worker-a"} and a.leading and not b.leading
+    record = read_limit(client, server.name)
+    assert record is not None and record.by == "worker-a"
+    # The knee: 8 running, plus the headroom the server admits from when one finishes.
+    headroom = Tuning().headroom(8)
+    assert 8 + headroom <= record.limit <= 8 + 2 * headroom + 1 < START
+    assert "queue" in record.reason
+    # The Router honours it: no more in flight than the limit of the last half second (the
+    # cache's tenth of a second, then the requests sent before a cut finish).
+    for i in range(5, len(held)):
+        assert held[i][0] <= max(limit for _, limit in held[i - 5 : i + 1]), held
+    assert max(n for n, _ in held[:5]) > record.limit  # and the start let more through
+
+
+def test_a_second_controller_takes_over_from_the_stored_limit(
+    client: redis.Redis, attach: Attach
+) -> None:
+    server = attach()
+    stored = LimitRecord(12, "set by a controller that stopped", 0.0, "worker-gone")
+    client.set(keys.limit(server.name), stored.to_json())
+    a = LimitController(server, client, "worker-a", None, CONFIG)
+    b = LimitController(server, client, "worker-b", None, CONFIG)
+    # No load: nothing to grow or trim, so the limit stays where the last leader left it.
+    assert a.step() is not None and b.step() is None
+    first = read_limit(client, server.name)
+    assert first is not None and first.by == "worker-a" and first.limit == 12
+    # worker-a stops stepping; its lock lapses after three intervals and worker-b leads.
+    deadline = time.monotonic() + 10 * INTERVAL_S
+    while b.step() is None:
+        assert time.monotonic() < deadline, "the lock never lapsed"
+        time.sleep(INTERVAL_S / 4)
+    assert b.leading and b.core is not None
+    took = read_limit(client, server.name)
+    assert took is not None and took.by == "worker-b" and took.limit == 12  # not its start
+    assert a.step() is None and not a.leading
+
+
+def test_a_fixed_limit_has_no_controller_and_ignores_the_stored_one(
+    client: redis.Redis, attach: Attach
+) -> None:
+    fixed = attach(max_inflight=5)
+    client.set(keys.limit(fixed.name), LimitRecord(99, "stale", 0.0, "x").to_json())
+    assert SharedLimits(client).get(fixed) == 5
+    controller = LimitController(fixed, client, "worker-a", None, CONFIG)
+    assert not controller.enabled and controller.step() is None
+    assert (
+        LimitControllers.for_worker([fixed], client, "worker-a", None, Settings()).controllers == []
+    )
+
+
+def test_shared_limits_fall_back_and_cache(client: redis.Redis, attach: Attach) -> None:
+    server = attach()
+    now = [0.0]
+    limits = SharedLimits(client, ttl_s=1.5, clock=lambda: now[0])
+    assert limits.get(server) == START  # nothing stored: the configured limit
+    client.set(keys.limit(server.name), LimitRecord(20, "grow", 0.0, "a").to_json())
+    assert limits.get(server) == START  # cached
+    now[0] = 2.0
+    assert limits.get(server) == 20
+    client.set(keys.limit(server.name), "not json")
+    now[0] = 4.0
+    assert limits.get(server) == START
+
+
+def test_the_controller_settings_come_from_the_settings() -> None:
+    assert ControllerSettings.from_settings(Settings()) == ControllerSettings()
+    custom = Settings(concurrency_interval_s=2.0, concurrency_min=8, concurrency_max=64)
+    config = ControllerSettings.from_settings(custom)
+    assert (config.interval_s, config.tuning.min_limit, config.tuning.max_limit) == (2.0, 8, 64)
+
+
+def test_a_worker_runs_the_controller_and_status_says_how_each_limit_is_set(
+    settings: Settings, repo: Repository, sim: SimServer, tmp_path: Path
+) -> None:
+    adaptive = ServerSpec(name=f"adaptive-{uuid.uuid4().hex[:6]}", url=sim.url)
+    with SimServer(SimConfig(seed=9, decode_step_ms=0.5)) as other:
+        fixed = ServerSpec(name=f"fixed-{uuid.uuid4().hex[:6]}", url=other.url, max_inflight=3)
+        live = settings.model_copy(
+            update={"servers": [adaptive, fixed], "concurrency_interval_s": 0.3}
+        )
+        enqueue_file(live, write_jsonl(tmp_path / "d.jsonl", sample_rows(40)), max_new_tokens=32)
+        services = live.services()
+        env = {
+            "EAGLEGEN_DATABASE_URL": services.database_url,
+            "EAGLEGEN_BROKER_URL": services.broker_url,
+            "EAGLEGEN_QUEUE": live.queue,
+        }
+        with (
+            in_thread_worker(live) as (ctx, _name),
+            redis.Redis.from_url(services.broker_url) as client,
+        ):
+            record = wait_until(lambda: read_limit(client, adaptive.name), 30.0)
+            assert record.by == ctx.name and record.limit >= 1
+            assert client.get(keys.limit(fixed.name)) is None  # a fixed limit has no controller
+            assert wait_settled(repo, timeout_s=60)["done"] == 40
+            done = eaglegen("status", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    rows = {row["name"]: row for row in json.loads(done.stdout)["servers"]}
+    assert rows[adaptive.name]["adaptive"] is True
+    assert rows[adaptive.name]["limit_reason"]  # the controller's last reason
+    assert (rows[fixed.name]["adaptive"], rows[fixed.name]["limit"]) == (False, 3)
+
+
+def wait_until(probe: Callable[[], LimitRecord | None], timeout_s: float) -> LimitRecord:
+    """Poll ``probe`` until it returns a record."""
+    deadline = time.monotonic() + timeout_s
+    while (value := probe()) is None:
+        assert time.monotonic() < deadline, "no limit stored in time"
+        time.sleep(0.05)
+    return value
