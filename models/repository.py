@@ -18,6 +18,7 @@ from models.export import ExportQueries
 from models.feed import FeedQueries
 from models.jobs import JobQueries
 from models.order import new_seed, sort_key
+from models.plan import PlanQueries
 from models.records import (
     DatasetCounts,
     DatasetSpec,
@@ -113,7 +114,7 @@ def _insert_staged(
 
 
 class Repository(
-    JobQueries, FeedQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQueries
+    JobQueries, FeedQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQueries, PlanQueries
 ):
     """All SQL behind named methods; one instance per process, shared by threads."""
 

@@ -14,6 +14,7 @@ from eaglegen.cli import (
     export,
     flower,
     maintenance,
+    plan,
     sim,
     stack,
     stats,
@@ -28,6 +29,7 @@ app = typer.Typer(
 )
 for module in (enqueue, worker, status, stack, sim, maintenance, export, stats, flower, doctor):
     app.add_typer(module.app)  # no name: its commands are top-level ones
+app.add_typer(plan.app)
 app.add_typer(db.app, name="db")
 app.add_typer(budget.app, name="budget")
 
