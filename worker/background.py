@@ -1,5 +1,6 @@
-"""The worker's side loops: server health, lease renewal, heartbeat, and the two that one
-worker of the cluster runs (a Redis lock decides which): the feeder and the reconciler."""
+"""The worker's side loops: server health, lease renewal, heartbeat, and those that one
+worker of the cluster runs (a Redis lock decides which, worker.leader): the feeder, the
+reconciler and each server's concurrency controller."""
 
 from __future__ import annotations
 
