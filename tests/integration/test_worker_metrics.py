@@ -152,15 +152,20 @@ def test_errors_are_counted_by_class(
     with running_worker(fast) as ctx:
         states = wait_settled(repo, timeout_s=60)
         registry = ctx.metrics.registry
+
+        def attempts_of(outcome: str) -> float | None:
+            value = registry.get_sample_value(
+                "eaglegen_worker_job_attempts_total", {"outcome": outcome}
+            )
+            return None if value is None else float(value)
+
+        # An attempt is counted once its outcome is committed: the last ones may still be
+        # on their way when Postgres shows every job settled.
+        wait_for(lambda: attempts_of("failed") == 3.0, what="the last attempts counted")
         errors = registry.get_sample_value(
             "eaglegen_worker_request_errors_total", {"server": SERVER, "kind": kind.value}
         )
-        attempts = {
-            outcome: registry.get_sample_value(
-                "eaglegen_worker_job_attempts_total", {"outcome": outcome}
-            )
-            for outcome in ("failed", "retry", "done")
-        }
+        attempts = {outcome: attempts_of(outcome) for outcome in ("failed", "retry", "done")}
     assert states["failed"] == 3
     # A permanent error fails at the first attempt; a retryable one after both.
     assert errors == (3 if fails else 6)
