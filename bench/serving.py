@@ -525,8 +525,10 @@ def report(results: dict[Mode, list[tuple[Round, Round]]]) -> None:
             f"the rounds' means {client_mean:.1f} / {pipe_mean:.1f}, peak "
             f"{max(c.peak_in_flight for c, _ in pairs)} / {max(p.peak_in_flight for _, p in pairs)}"
         )
-    tokens = sorted({r.tokens for pairs in results.values() for pair in pairs for r in pair})
-    print(f"tokens per round: {tokens} ({'identical' if len(tokens) == 1 else 'DIFFERENT'})")
+    for i, side in enumerate(("bench_serving", "pipeline")):
+        tokens = sorted({pair[i].tokens for pairs in results.values() for pair in pairs})
+        same = "identical" if len(tokens) == 1 else "DIFFERENT"
+        print(f"{side} tokens per round, as it counts them: {tokens} ({same})")
 
 
 def benchmark(args: argparse.Namespace) -> dict[Mode, list[tuple[Round, Round]]]:
