@@ -83,7 +83,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -97,8 +96,8 @@ from sqlalchemy import select, text
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
 from bench.worker_throughput import (
+    InFlightSampler,
     cpu_seconds,
-    in_flight,
     machine_busy_s,
     sim_process,
     take_prompts,
@@ -251,33 +250,8 @@ class Round:
         )
 
 
-class Occupancy:
-    """Running + queued requests on the simulator's /metrics every 0.2 s, on a thread."""
-
-    def __init__(self, sim_url: str, interval_s: float = 0.2) -> None:
-        self.samples: list[int] = []
-        self._url = f"{sim_url}/metrics"
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Occupancy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=5) as client:
-            while not self._stop.wait(self._interval):
-                self.samples.append(in_flight(client.get(self._url).text))
-
-    @property
-    def peak(self) -> int:
-        """The largest sample."""
-        return max(self.samples, default=0)
+class Occupancy(InFlightSampler):
+    """The in-flight samples (bench.worker_throughput), and their mean over the busy span."""
 
     @property
     def mean(self) -> float:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 from sqlalchemy import select, text
@@ -99,13 +99,13 @@ class InFlightSampler:
     """Samples the simulator's running + waiting requests every 0.2 s on a thread."""
 
     def __init__(self, sim_url: str, interval_s: float = 0.2) -> None:
-        self.peak = 0
+        self.samples: list[int] = []
         self._url = f"{sim_url}/metrics"
         self._interval = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> InFlightSampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -116,7 +116,12 @@ class InFlightSampler:
     def _run(self) -> None:
         with httpx.Client(timeout=5) as client:
             while not self._stop.wait(self._interval):
-                self.peak = max(self.peak, in_flight(client.get(self._url).text))
+                self.samples.append(in_flight(client.get(self._url).text))
+
+    @property
+    def peak(self) -> int:
+        """The largest sample."""
+        return max(self.samples, default=0)
 
 
 def in_flight(metrics: str) -> int:

@@ -170,15 +170,6 @@ class FeedQueries:
                 ).rowcount
             )
 
-    def window_counts(self) -> tuple[int, int]:
-        """Queued jobs with a message out, and without (all datasets)."""
-        with self.engine.connect() as conn:
-            queued = conn.scalar(select(func.coalesce(func.sum(Dataset.jobs_queued), 0)))
-            published = conn.scalar(
-                select(func.count()).where(Job.state == QUEUED, Job.published_at.is_not(None))
-            )
-        return int(published or 0), int(queued or 0) - int(published or 0)
-
 
 def _feed_dataset(row: Any) -> FeedDataset:
     (dataset_id, run, name, budget, used, reserved, queued, published, taken, done, max_new) = row

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -180,20 +179,6 @@ class JobQueries:
                 )
                 .values(last_error=reason)
             )
-
-    def job_datasets(self, job_ids: Sequence[int]) -> dict[int, tuple[str, str]]:
-        """(run, dataset) of each job (a job gone is left out)."""
-        found: dict[int, tuple[str, str]] = {}
-        with self.engine.connect() as conn:
-            for start in range(0, len(job_ids), _LOOKUP_BATCH):
-                stmt = (
-                    select(Job.id, Run.name, Dataset.name)
-                    .join(Dataset, Dataset.id == Job.dataset_id)
-                    .join(Run, Run.id == Dataset.run_id)
-                    .where(Job.id.in_(job_ids[start : start + _LOOKUP_BATCH]))
-                )
-                found.update({int(i): (r, d) for i, r, d in conn.execute(stmt)})
-        return found
 
 
 def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Claim:

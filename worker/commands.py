@@ -82,11 +82,21 @@ def alive_workers(broker_url: str, host: str | None, max_age_s: float) -> list[d
     client = redis.Redis.from_url(broker_url, socket_connect_timeout=5)
     try:
         now = redis_now(client)
-        beats = [
-            json.loads(raw)
-            for key in client.scan_iter(keys.heartbeat_pattern(host))
-            if (raw := client.get(key)) is not None
-        ]
+        beats = heartbeats(client, host)
     finally:
         client.close()
     return [b for b in beats if now - float(b.get("ts", 0)) <= max_age_s]
+
+
+def heartbeats(client: redis.Redis, host: str | None = None) -> list[dict[str, Any]]:
+    """Every heartbeat record in Redis (of ``host``'s workers when given); a record that is
+    not JSON is left out."""
+    beats = []
+    for key in client.scan_iter(keys.heartbeat_pattern(host)):
+        raw = client.get(key)
+        if raw is not None:
+            try:
+                beats.append(json.loads(raw))
+            except ValueError:
+                continue
+    return beats

@@ -15,9 +15,8 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
@@ -25,6 +24,7 @@ from core import keys, wire
 from core.broker import Publisher
 from models.feed import FeedDataset
 from models.repository import Repository
+from worker.commands import heartbeats
 from worker.shares import allocate, share_of
 
 log = logging.getLogger(__name__)
@@ -139,19 +139,9 @@ def auto_window(client: redis.Redis) -> int:
     """``WINDOW_FACTOR`` times what the live workers can run at once: the lesser of their
     threads and their servers' in-flight limits (each server counted once)."""
     threads, limits = 0, {}
-    for beat in _heartbeats(client):
+    for beat in heartbeats(client):
         threads += int(beat.get("threads") or 0)
         for name, server in (beat.get("servers") or {}).items():
             limits[name] = int(server.get("limit") or 0)
     capacity = min(threads, sum(limits.values())) if limits else threads
     return max(MIN_WINDOW, WINDOW_FACTOR * capacity)
-
-
-def _heartbeats(client: redis.Redis) -> Iterable[dict[str, Any]]:
-    for key in client.scan_iter(keys.heartbeat_pattern()):
-        raw = client.get(key)
-        if raw is not None:
-            try:
-                yield json.loads(raw)
-            except ValueError:
-                continue

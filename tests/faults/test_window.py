@@ -34,7 +34,7 @@ def test_a_redis_evicting_under_allkeys_lru_ends_with_every_job_done_once(
     try:
         base = int(client.info("memory")["used_memory"])
         # Room for a few windows of messages above what Redis holds now: a publish of
-        # every job at enqueue (~1 KB a message) would need several times more.
+        # every job at enqueue would need several times more (message size: BENCHMARKS.md).
         client.config_set("maxmemory", str(base + (2 << 20)))
         client.config_set("maxmemory-policy", "allkeys-lru")
         with client.pipeline(transaction=False) as pipe:
