@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func
-
 from models.schema import Dataset
 from models.states import JobState
 
@@ -34,16 +32,22 @@ def moved(source: JobState | None, target: JobState | None, n: int = 1) -> dict[
     return values
 
 
-def recorded(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """Column values for one generation recorded: the done jobs' tokens and times."""
-    return {
-        "done_prompt_tokens": Dataset.done_prompt_tokens + prompt_tokens,
-        "done_completion_tokens": Dataset.done_completion_tokens + completion_tokens,
-        "first_done_at": func.coalesce(Dataset.first_done_at, func.now()),
-        "last_done_at": func.now(),
-    }
-
-
 def state_column(state: JobState) -> str:
     """The datasets column that counts jobs in ``state``."""
     return _COLUMN[state]
+
+
+def moved_sql(source: JobState, target: JobState) -> str:
+    """``moved`` as SQL for a SET clause, for the statements written in SQL (models.attempt)."""
+    a, b = _COLUMN[source], _COLUMN[target]
+    return f"{a} = {a} - 1, {b} = {b} + 1"
+
+
+def recorded_sql(prompt: str, completion: str) -> str:
+    """SQL for a SET clause counting one generation recorded: the done jobs' tokens (from
+    the named parameters) and times."""
+    return (
+        f"done_prompt_tokens = done_prompt_tokens + %({prompt})s, "
+        f"done_completion_tokens = done_completion_tokens + %({completion})s, "
+        "first_done_at = coalesce(first_done_at, now()), last_done_at = now()"
+    )

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import psycopg
 from alembic import command
 from alembic.config import Config
 from psycopg import errors as pg_errors
-from sqlalchemy import Engine, create_engine
+from psycopg.rows import namedtuple_row
+from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.exc import DBAPIError
 
 from core.urls import normalize_database_url
@@ -51,6 +56,21 @@ def make_engine(
         pool_pre_ping=True,
         connect_args=options,
     )
+
+
+@contextmanager
+def driver_cursor(conn: Connection) -> Iterator[psycopg.Cursor[Any]]:
+    """A psycopg cursor (rows as named tuples) on ``conn``'s connection, inside its
+    transaction: for the statements SQLAlchemy cannot run (COPY) or that skip its execution
+    layer (models.attempt). A driver error comes out as the SQLAlchemy error any other
+    query raises (OperationalError for a lost server or a lock timeout)."""
+    driver = conn.connection.driver_connection
+    assert driver is not None, "a checked-out connection has its driver connection"
+    try:
+        with driver.cursor(row_factory=namedtuple_row) as cursor:
+            yield cursor
+    except psycopg.Error as exc:
+        raise DBAPIError.instance(None, None, exc, psycopg.Error) from exc
 
 
 def is_lock_timeout(error: BaseException) -> bool:

@@ -1,17 +1,17 @@
-"""Queries of the job life cycle: claim with budget reservation, record, release, leases."""
+"""Queries of the job life cycle: release, fail, leases (the claim and the record are in
+models.attempt)."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, and_, func, insert, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import Connection, Engine, func, insert, select, update
 
-from models.counters import moved, recorded
-from models.ledger import BudgetBasis, settled, worst_case
-from models.records import Claim, ClaimedJob, GenerationRecord, RunModel
-from models.schema import Dataset, FailedAttempt, Generation, Job, Run
+from models import attempt
+from models.counters import moved
+from models.records import Claim, GenerationRecord, RunModel
+from models.schema import Dataset, FailedAttempt, Job
 from models.states import JobState
 
 RUNNING = JobState.RUNNING.value
@@ -21,51 +21,20 @@ LEASE_EXPIRED = "lease_expired"
 _LOOKUP_BATCH = 10_000
 
 
-class _Rollback(Exception):
-    """Raised inside a transaction to undo it and report an outcome."""
-
-    def __init__(self, outcome: str) -> None:
-        super().__init__(outcome)
-        self.outcome = outcome
-
-
 class JobQueries:
     """Mixin of the Repository: every state change of a job, each in one transaction."""
 
     engine: Engine
 
     def claim(self, job_id: int, worker: str, lease_seconds: int) -> Claim:
-        """Win a queued job for ``worker`` and reserve its worst case in the budget ledger."""
-        try:
-            with self.engine.begin() as conn:
-                return _claim(conn, job_id, worker, lease_seconds)
-        except _Rollback as rollback:
-            return Claim(rollback.outcome)
+        """Win a queued job for ``worker`` and reserve its worst case in the budget ledger
+        (models.attempt)."""
+        return attempt.claim(self.engine, job_id, worker, lease_seconds)
 
     def record(self, job_id: int, worker: str, gen: GenerationRecord) -> bool:
-        """Store the generation, settle the ledger, mark done: atomically; False if not ours."""
-        try:
-            with self.engine.begin() as conn:
-                job = _lock_running(conn, job_id, worker)
-                if job is None:
-                    return False
-                inserted = conn.scalar(
-                    pg_insert(Generation)
-                    .values(job_id=job_id, dataset_id=job.dataset_id, **generation_values(gen))
-                    .on_conflict_do_nothing(index_elements=[Generation.job_id])
-                    .returning(Generation.job_id)
-                )
-                if inserted is None:  # never while the claim holds; keep the first record
-                    raise _Rollback("already_recorded")
-                basis = conn.scalar(
-                    select(Dataset.budget_basis).where(Dataset.id == job.dataset_id)
-                )
-                cost = settled(gen.prompt_tokens, gen.completion_tokens, BudgetBasis(str(basis)))
-                done = recorded(gen.prompt_tokens, gen.completion_tokens)
-                _settle(conn, job, JobState.DONE, used=cost, error=None, counted=done)
-        except _Rollback:
-            return False
-        return True
+        """Store the generation, settle the ledger, mark done: atomically; False if not ours
+        (models.attempt)."""
+        return attempt.record(self.engine, job_id, worker, gen)
 
     def release(
         self,
@@ -156,16 +125,8 @@ class JobQueries:
         return requeued
 
     def run_model(self, job_id: int) -> RunModel | None:
-        """The model of the job's run (None when the job is gone)."""
-        stmt = (
-            select(Run.name, Run.model_name, Run.tokenizer_path)
-            .join(Dataset, Dataset.run_id == Run.id)
-            .join(Job, Job.dataset_id == Dataset.id)
-            .where(Job.id == job_id)
-        )
-        with self.engine.connect() as conn:
-            row = conn.execute(stmt).one_or_none()
-        return None if row is None else RunModel(row.name, row.model_name, row.tokenizer_path)
+        """The model of the job's run (None when the job is gone; models.attempt)."""
+        return attempt.run_model(self.engine, job_id)
 
     def note_waiting(self, job_id: int, reason: str) -> None:
         """Say on a queued job why it waits (its state, attempts and age stay as they are)."""
@@ -179,138 +140,6 @@ class JobQueries:
                 )
                 .values(last_error=reason)
             )
-
-
-def _claim(conn: Connection, job_id: int, worker: str, lease_seconds: int) -> Claim:
-    """Claim, then apply the ledger rule of DESIGN §4.
-
-    A job runs when its worst case fits next to what is settled and held. When it does not
-    fit but nothing is held, it runs anyway while settled usage is below the budget (else a
-    job larger than the remainder would wait forever), so the final overshoot is below one
-    job's reservation. Otherwise it is deferred while reservations are held, and skipped
-    once settled usage reached the budget.
-    """
-    job = conn.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.state == JobState.QUEUED.value)
-        .values(
-            state=RUNNING,
-            attempts=Job.attempts + 1,
-            worker=worker,
-            lease_until=func.now() + timedelta(seconds=lease_seconds),
-            updated_at=func.now(),
-        )
-        .returning(
-            Job.id,
-            Job.dataset_id,
-            Job.input_ids,
-            Job.prompt_tokens,
-            Job.attempts,
-            Job.opens_reasoning,
-        )
-    ).one_or_none()
-    if job is None:
-        raise _Rollback("not_queued")
-    ds = conn.execute(
-        select(
-            Dataset.sampling_params,
-            Dataset.budget_basis,
-            Dataset.name,
-            Run.name.label("run"),
-            Run.think_end_id,
-            Run.vocab_size,
-        )
-        .join(Run, Run.id == Dataset.run_id)
-        .where(Dataset.id == job.dataset_id)
-    ).one()
-    params = dict(ds.sampling_params or {})
-    need = worst_case(
-        job.prompt_tokens, int(params.get("max_new_tokens", 0)), BudgetBasis(ds.budget_basis)
-    )
-    conn.execute(update(Job).where(Job.id == job_id).values(reserved_tokens=need))
-    # The dataset row is every worker's hot spot: touch it only with the last statement
-    # before COMMIT, and only in single conditional UPDATEs (never a lock held across round
-    # trips). Each branch of the ledger rule is one atomic predicate, or a fact that only
-    # grows (used), so no decision needs a lock.
-    reserved = _reserve_where(conn, job.dataset_id, need, _fits(need)) or _reserve_where(
-        conn, job.dataset_id, need, _nothing_held()
-    )
-    if not reserved:
-        conn.execute(
-            update(Job)
-            .where(Job.id == job_id)
-            .values(
-                state=JobState.SKIPPED_BUDGET.value,
-                attempts=Job.attempts - 1,
-                worker=None,
-                lease_until=None,
-                reserved_tokens=0,
-            )
-        )
-        if not _skip_if_spent(conn, job.dataset_id):
-            raise _Rollback("deferred")  # undoes the skip above
-        return Claim("skipped")
-    return Claim(
-        "claimed",
-        ClaimedJob(
-            id=int(job.id),
-            dataset_id=int(job.dataset_id),
-            input_ids=list(job.input_ids),
-            sampling_params=params,
-            attempts=int(job.attempts),
-            reserved_tokens=need,
-            think_end_id=ds.think_end_id if job.opens_reasoning else None,
-            vocab_size=ds.vocab_size,
-            run=ds.run,
-            dataset=ds.name,
-        ),
-    )
-
-
-def _fits(need: int) -> ColumnElement[bool]:
-    """The job's worst case fits next to what is settled and held (or there is no budget)."""
-    return or_(
-        Dataset.budget_tokens.is_(None),
-        Dataset.used_tokens + Dataset.reserved_tokens + need <= Dataset.budget_tokens,
-    )
-
-
-def _nothing_held() -> ColumnElement[bool]:
-    """Nothing is held and the budget is not spent: run even a job larger than the rest."""
-    return and_(Dataset.reserved_tokens == 0, Dataset.used_tokens < Dataset.budget_tokens)
-
-
-def _reserve_where(
-    conn: Connection, dataset_id: int, need: int, condition: ColumnElement[bool]
-) -> bool:
-    """Reserve ``need`` in the dataset's ledger if ``condition`` holds, in one statement
-    (which also counts the job as running)."""
-    reserved = conn.scalar(
-        update(Dataset)
-        .where(Dataset.id == dataset_id, condition)
-        .values(
-            reserved_tokens=Dataset.reserved_tokens + need,
-            **moved(JobState.QUEUED, JobState.RUNNING),
-        )
-        .returning(Dataset.id)
-    )
-    return reserved is not None
-
-
-def _skip_if_spent(conn: Connection, dataset_id: int) -> bool:
-    """Count one queued job as skipped if settled usage reached the budget; whether it did.
-
-    One conditional UPDATE, so the check and the count are atomic: the row lock it takes
-    makes a concurrent `budget set` (which locks the row for update) wait for this skip, and
-    the set's re-queue then covers it.
-    """
-    skipped = conn.scalar(
-        update(Dataset)
-        .where(Dataset.id == dataset_id, Dataset.used_tokens >= Dataset.budget_tokens)
-        .values(moved(JobState.QUEUED, JobState.SKIPPED_BUDGET))
-        .returning(Dataset.id)
-    )
-    return skipped is not None
 
 
 def _lock_running(conn: Connection, job_id: int, worker: str) -> Any:
@@ -371,21 +200,3 @@ def _count_failure(conn: Connection, dataset_ids: list[int], server: str | None,
             insert(FailedAttempt),
             [{"dataset_id": d, "server": server, "kind": kind[:32]} for d in dataset_ids],
         )
-
-
-def generation_values(gen: GenerationRecord) -> dict[str, Any]:
-    """Column values of a generation row."""
-    return {
-        "output_ids": gen.output_ids,
-        "finish_type": gen.finish_type,
-        "finish_matched": gen.finish_matched,
-        "prompt_tokens": gen.prompt_tokens,
-        "completion_tokens": gen.completion_tokens,
-        "cached_tokens": gen.cached_tokens,
-        "e2e_latency": gen.e2e_latency,
-        "server": gen.server,
-        "meta_info": gen.meta_info,
-        "think_end_present": gen.think_end_present,
-        "reasoning_tokens": gen.reasoning_tokens,
-        "answer_tokens": gen.answer_tokens,
-    }

@@ -9,11 +9,11 @@ from typing import Any
 import psycopg
 from sqlalchemy import Engine, and_, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import OperationalError
 
 from models.audit import AuditQueries
 from models.budgets import BudgetQueries
 from models.counters import moved
+from models.db import driver_cursor
 from models.export import ExportQueries
 from models.feed import FeedQueries
 from models.jobs import JobQueries
@@ -248,16 +248,10 @@ class Repository(
                 )
                 or 0
             )
-            driver = conn.connection.driver_connection  # psycopg's own, for COPY
-            assert driver is not None, "a checked-out connection has its driver connection"
-            try:
-                with driver.cursor() as cursor:
-                    ids = _copy_new_jobs(cursor, dataset_id, batch, seed) if expect_new else None
-                    if ids is None:
-                        ids = _insert_staged(cursor, dataset_id, batch, seed)
-            except psycopg.OperationalError as exc:
-                # Past SQLAlchemy here: raise what every other query raises on a lost server.
-                raise OperationalError(_COPY_STAGE, None, exc) from exc
+            with driver_cursor(conn) as cursor:
+                ids = _copy_new_jobs(cursor, dataset_id, batch, seed) if expect_new else None
+                if ids is None:
+                    ids = _insert_staged(cursor, dataset_id, batch, seed)
             if ids:
                 conn.execute(
                     update(Dataset)

@@ -11,7 +11,8 @@ class JobState(StrEnum):
     ``queued -> running -> done``; ``running -> queued`` (retryable error, lease expiry,
     budget deferral); ``running -> failed`` (permanent error or attempts exhausted);
     ``queued -> skipped_budget`` and back to ``queued`` when the budget is raised. Each
-    transition is one conditional UPDATE in ``models.jobs``/``models.budgets``.
+    transition is one conditional UPDATE in ``models.attempt``, ``models.jobs`` or
+    ``models.budgets``.
     """
 
     QUEUED = "queued"

@@ -1,0 +1,222 @@
+"""The three transactions of every job attempt: the run's model, the claim, the record.
+
+They are written in SQL and run on the pooled connection's psycopg connection
+(``models.db.driver_cursor``), not through SQLAlchemy's execution layer: at a few
+statements a job, that layer cost the worker more CPU than anything else it does per job,
+and a worker process is bound to one core (BENCHMARKS.md, "Orchestration ceiling"). Every
+other query stays in SQLAlchemy; these are kept equal to the tables by the tests that run
+them against a migrated database.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import Cursor
+from psycopg.types.json import Jsonb
+from sqlalchemy import Engine
+
+from models.counters import moved_sql, recorded_sql
+from models.db import driver_cursor
+from models.ledger import BudgetBasis, settled, worst_case
+from models.records import Claim, ClaimedJob, GenerationRecord, RunModel
+from models.states import JobState
+from models.tokens import pack, unpack
+
+QUEUED, RUNNING = JobState.QUEUED, JobState.RUNNING
+
+_RUN_MODEL = """
+SELECT r.name, r.model_name, r.tokenizer_path
+FROM jobs j JOIN datasets d ON d.id = j.dataset_id JOIN runs r ON r.id = d.run_id
+WHERE j.id = %(job)s
+"""
+
+# Win the job if it is still queued, and read its dataset's and run's facts in the same
+# statement (UPDATE ... FROM reads those rows without locking them).
+_TAKE = """
+UPDATE jobs SET state = 'running', attempts = jobs.attempts + 1, worker = %(worker)s,
+       lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
+FROM datasets, runs
+WHERE jobs.id = %(job)s AND jobs.state = 'queued'
+  AND datasets.id = jobs.dataset_id AND runs.id = datasets.run_id
+RETURNING jobs.id, jobs.dataset_id, jobs.input_ids, jobs.prompt_tokens, jobs.attempts,
+          jobs.opens_reasoning, datasets.sampling_params, datasets.budget_basis,
+          datasets.name AS dataset, runs.name AS run, runs.think_end_id, runs.vocab_size
+"""
+_HOLD = "UPDATE jobs SET reserved_tokens = %(need)s WHERE id = %(job)s"
+
+# The ledger rule of DESIGN §4, one conditional UPDATE per branch (see `claim`); each also
+# counts the job as running.
+_RESERVE = f"""
+UPDATE datasets SET reserved_tokens = reserved_tokens + %(need)s, {moved_sql(QUEUED, RUNNING)}
+WHERE id = %(dataset)s AND {{condition}}
+RETURNING id
+"""
+# The worst case fits next to what is settled and held (or there is no budget).
+_RESERVE_IF_FITS = _RESERVE.format(
+    condition="(budget_tokens IS NULL OR used_tokens + reserved_tokens + %(need)s <= budget_tokens)"
+)
+# Nothing is held and the budget is not spent: run even a job larger than the rest.
+_RESERVE_IF_NOTHING_HELD = _RESERVE.format(
+    condition="reserved_tokens = 0 AND used_tokens < budget_tokens"
+)
+_SKIP = """
+UPDATE jobs SET state = 'skipped_budget', attempts = attempts - 1, worker = NULL,
+       lease_until = NULL, reserved_tokens = 0
+WHERE id = %(job)s
+"""
+# Counted as skipped only if settled usage reached the budget: the check and the count are
+# one statement, so a concurrent `budget set` (which locks the row) waits for this skip and
+# its re-queue then covers it.
+_SKIP_IF_SPENT = f"""
+UPDATE datasets SET {moved_sql(QUEUED, JobState.SKIPPED_BUDGET)}
+WHERE id = %(dataset)s AND used_tokens >= budget_tokens
+RETURNING id
+"""
+
+# The running job, locked, if this worker still holds it; with what its dataset counts.
+_LOCK_RUNNING = """
+SELECT j.dataset_id, j.reserved_tokens, d.budget_basis
+FROM jobs j JOIN datasets d ON d.id = j.dataset_id
+WHERE j.id = %(job)s AND j.state = 'running' AND j.worker = %(worker)s
+FOR UPDATE OF j
+"""
+_INSERT_GENERATION = """
+INSERT INTO generations (job_id, dataset_id, output_ids, finish_type, finish_matched,
+    prompt_tokens, completion_tokens, cached_tokens, e2e_latency, server, meta_info,
+    think_end_present, reasoning_tokens, answer_tokens)
+VALUES (%(job)s, %(dataset)s, %(output_ids)s, %(finish_type)s, %(finish_matched)s,
+    %(prompt_tokens)s, %(completion_tokens)s, %(cached_tokens)s, %(e2e_latency)s,
+    %(server)s, %(meta_info)s, %(think_end_present)s, %(reasoning_tokens)s,
+    %(answer_tokens)s)
+ON CONFLICT (job_id) DO NOTHING
+RETURNING job_id
+"""
+_DONE = """
+UPDATE jobs SET state = 'done', reserved_tokens = 0, lease_until = NULL, last_error = NULL,
+       updated_at = now(), finished_at = now()
+WHERE id = %(job)s
+"""
+_SETTLE_DONE = f"""
+UPDATE datasets SET used_tokens = used_tokens + %(used)s,
+       reserved_tokens = reserved_tokens - %(reserved)s,
+       {moved_sql(RUNNING, JobState.DONE)}, {recorded_sql("prompt", "completion")}
+WHERE id = %(dataset)s
+"""
+
+
+class Rollback(Exception):
+    """Raised inside a transaction to undo it and report an outcome."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+def run_model(engine: Engine, job_id: int) -> RunModel | None:
+    """The model of the job's run (None when the job is gone)."""
+    with engine.connect() as conn, driver_cursor(conn) as cursor:
+        row = cursor.execute(_RUN_MODEL, {"job": job_id}).fetchone()
+    return None if row is None else RunModel(row.name, row.model_name, row.tokenizer_path)
+
+
+def claim(engine: Engine, job_id: int, worker: str, lease_seconds: int) -> Claim:
+    """Win a queued job for ``worker`` and reserve its worst case in the budget ledger.
+
+    A job runs when its worst case fits next to what is settled and held. When it does not
+    fit but nothing is held, it runs anyway while settled usage is below the budget (else a
+    job larger than the remainder would wait forever), so the final overshoot is below one
+    job's reservation. Otherwise it is deferred while reservations are held, and skipped
+    once settled usage reached the budget.
+    """
+    try:
+        with engine.begin() as conn, driver_cursor(conn) as cursor:
+            return _claim(cursor, job_id, worker, lease_seconds)
+    except Rollback as rollback:
+        return Claim(rollback.outcome)
+
+
+def _claim(cursor: Cursor[Any], job_id: int, worker: str, lease_seconds: int) -> Claim:
+    taken = {"job": job_id, "worker": worker, "lease": lease_seconds}
+    job = cursor.execute(_TAKE, taken).fetchone()
+    if job is None:
+        raise Rollback("not_queued")
+    params = dict(job.sampling_params or {})
+    max_new = int(params.get("max_new_tokens", 0))
+    need = worst_case(job.prompt_tokens, max_new, BudgetBasis(job.budget_basis))
+    cursor.execute(_HOLD, {"job": job_id, "need": need})
+    # The dataset row is every worker's hot spot: touch it only with the last statement
+    # before COMMIT, and only in single conditional UPDATEs (never a lock held across round
+    # trips). Each branch of the ledger rule is one atomic predicate, or a fact that only
+    # grows (used), so no decision needs a lock.
+    ledger = {"dataset": job.dataset_id, "need": need}
+    if not _one(cursor, _RESERVE_IF_FITS, ledger) and not _one(
+        cursor, _RESERVE_IF_NOTHING_HELD, ledger
+    ):
+        cursor.execute(_SKIP, {"job": job_id})
+        if not _one(cursor, _SKIP_IF_SPENT, ledger):
+            raise Rollback("deferred")  # undoes the skip above
+        return Claim("skipped")
+    return Claim(
+        "claimed",
+        ClaimedJob(
+            id=job.id,
+            dataset_id=job.dataset_id,
+            input_ids=unpack(job.input_ids),
+            sampling_params=params,
+            attempts=job.attempts,
+            reserved_tokens=need,
+            think_end_id=job.think_end_id if job.opens_reasoning else None,
+            vocab_size=job.vocab_size,
+            run=job.run,
+            dataset=job.dataset,
+        ),
+    )
+
+
+def record(engine: Engine, job_id: int, worker: str, gen: GenerationRecord) -> bool:
+    """Store the generation, settle the ledger, mark done: atomically; False if not ours."""
+    try:
+        with engine.begin() as conn, driver_cursor(conn) as cursor:
+            job = cursor.execute(_LOCK_RUNNING, {"job": job_id, "worker": worker}).fetchone()
+            if job is None:
+                return False
+            row = {"job": job_id, "dataset": job.dataset_id, **_generation_params(gen)}
+            if not _one(cursor, _INSERT_GENERATION, row):
+                raise Rollback("already_recorded")  # never while the claim holds
+            cursor.execute(_DONE, {"job": job_id})
+            basis = BudgetBasis(job.budget_basis)
+            settle = {
+                "dataset": job.dataset_id,
+                "used": settled(gen.prompt_tokens, gen.completion_tokens, basis),
+                "reserved": job.reserved_tokens,
+                "prompt": gen.prompt_tokens,
+                "completion": gen.completion_tokens,
+            }
+            cursor.execute(_SETTLE_DONE, settle)  # the hot dataset row last, as in the claim
+    except Rollback:
+        return False
+    return True
+
+
+def _one(cursor: Cursor[Any], sql: str, params: dict[str, Any]) -> bool:
+    """Run a statement with RETURNING; whether it returned a row."""
+    return cursor.execute(sql, params).fetchone() is not None
+
+
+def _generation_params(gen: GenerationRecord) -> dict[str, Any]:
+    """A generation row's values as psycopg takes them (ids packed, JSON wrapped)."""
+    return {
+        "output_ids": pack(gen.output_ids),
+        "finish_type": gen.finish_type,
+        "finish_matched": Jsonb(gen.finish_matched),
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "cached_tokens": gen.cached_tokens,
+        "e2e_latency": gen.e2e_latency,
+        "server": gen.server,
+        "meta_info": Jsonb(gen.meta_info),
+        "think_end_present": gen.think_end_present,
+        "reasoning_tokens": gen.reasoning_tokens,
+        "answer_tokens": gen.answer_tokens,
+    }
