@@ -8,11 +8,12 @@ from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 
-from models.db import make_engine
+from models.db import is_lock_timeout, make_engine
 from models.records import DatasetSpec, GenerationRecord, JobBatch, NewJob, RunSpec
 from models.repository import DatasetMismatchError, Repository, RunMismatchError
-from models.schema import Run
+from models.schema import Job, Run
 from models.states import JobState
 from tests.helpers import InspectRepository
 
@@ -227,3 +228,23 @@ def test_a_run_records_its_vocabulary_and_a_claim_carries_it(repo: Repository) -
     [job_id] = repo.insert_jobs(dataset, [NewJob(0, [1, 2, 3], None)])
     claim = repo.claim(job_id, "w", lease_seconds=60)
     assert claim.job is not None and claim.job.vocab_size == 4100
+
+
+def test_a_driver_error_on_the_hot_path_is_raised_as_sqlalchemys(database_url: str) -> None:
+    # models.attempt runs on psycopg directly; the worker tells a lost or locked database
+    # (retry) from anything else by SQLAlchemy's classes, as for every other query.
+    engine = make_engine(database_url, hold_limit_ms=200)  # a worker's: lock_timeout 200 ms
+    other = make_engine(database_url)
+    repo = Repository(engine)
+    _, ids = make_dataset(repo, 1)
+    try:
+        with other.begin() as holder:
+            # Hold the job's row: the claim's UPDATE waits for it until its lock_timeout.
+            holder.execute(select(Job.id).where(Job.id == ids[0]).with_for_update())
+            with pytest.raises(OperationalError) as caught:
+                repo.claim(ids[0], "w", lease_seconds=60)
+        assert is_lock_timeout(caught.value)
+        assert repo.claim(ids[0], "w", lease_seconds=60).outcome == "claimed"  # unharmed
+    finally:
+        engine.dispose()
+        other.dispose()
