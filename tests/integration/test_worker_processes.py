@@ -185,6 +185,8 @@ def test_a_busy_worker_logs_no_line_per_request(
     text = log.read_text()
     assert " ready." in text  # INFO lines reach the log (Celery's own start-up line)
     assert "HTTP Request:" not in text, text[-2000:]  # httpx's per-request INFO line
+    # Celery's per-task lines: "Task eaglegen.generate[...] received" / "succeeded in".
+    assert "] received" not in text and "] succeeded in" not in text, text[-2000:]
 
 
 def test_numa_node_0_worker_reports_its_node_and_cpus_in_its_heartbeat(
