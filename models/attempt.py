@@ -1,4 +1,4 @@
-"""The three transactions of every job attempt: the run's model, the claim, the record.
+"""The two transactions of every job attempt: the claim and the record.
 
 They are written in SQL and run on the pooled connection's psycopg connection
 (``models.db.driver_cursor``), not through SQLAlchemy's execution layer: at a few
@@ -19,17 +19,11 @@ from sqlalchemy import Engine
 from models.counters import moved_sql, recorded_sql
 from models.db import driver_cursor
 from models.ledger import BudgetBasis, settled, worst_case
-from models.records import Claim, ClaimedJob, GenerationRecord, RunModel
+from models.records import Claim, ClaimedJob, GenerationRecord
 from models.states import JobState
 from models.tokens import pack, unpack
 
 QUEUED, RUNNING = JobState.QUEUED, JobState.RUNNING
-
-_RUN_MODEL = """
-SELECT r.name, r.model_name, r.tokenizer_path
-FROM jobs j JOIN datasets d ON d.id = j.dataset_id JOIN runs r ON r.id = d.run_id
-WHERE j.id = %(job)s
-"""
 
 # Win the job if it is still queued, and read its dataset's and run's facts in the same
 # statement (UPDATE ... FROM reads those rows without locking them).
@@ -41,7 +35,8 @@ WHERE jobs.id = %(job)s AND jobs.state = 'queued'
   AND datasets.id = jobs.dataset_id AND runs.id = datasets.run_id
 RETURNING jobs.id, jobs.dataset_id, jobs.input_ids, jobs.prompt_tokens, jobs.attempts,
           jobs.opens_reasoning, datasets.sampling_params, datasets.budget_basis,
-          datasets.name AS dataset, runs.name AS run, runs.think_end_id, runs.vocab_size
+          datasets.name AS dataset, runs.name AS run, runs.think_end_id, runs.vocab_size,
+          runs.model_name, runs.tokenizer_path
 """
 _HOLD = "UPDATE jobs SET reserved_tokens = %(need)s WHERE id = %(job)s"
 
@@ -113,13 +108,6 @@ class Rollback(Exception):
         self.outcome = outcome
 
 
-def run_model(engine: Engine, job_id: int) -> RunModel | None:
-    """The model of the job's run (None when the job is gone)."""
-    with engine.connect() as conn, driver_cursor(conn) as cursor:
-        row = cursor.execute(_RUN_MODEL, {"job": job_id}).fetchone()
-    return None if row is None else RunModel(row.name, row.model_name, row.tokenizer_path)
-
-
 def claim(engine: Engine, job_id: int, worker: str, lease_seconds: int) -> Claim:
     """Win a queued job for ``worker`` and reserve its worst case in the budget ledger.
 
@@ -170,6 +158,8 @@ def _claim(cursor: Cursor[Any], job_id: int, worker: str, lease_seconds: int) ->
             vocab_size=job.vocab_size,
             run=job.run,
             dataset=job.dataset,
+            model=job.model_name,
+            tokenizer_path=job.tokenizer_path,
         ),
     )
 

@@ -10,7 +10,7 @@ from sqlalchemy import Connection, Engine, func, insert, select, update
 
 from models import attempt
 from models.counters import moved
-from models.records import Claim, GenerationRecord, RunModel
+from models.records import Claim, GenerationRecord
 from models.schema import Dataset, FailedAttempt, Job
 from models.states import JobState
 
@@ -123,23 +123,6 @@ class JobQueries:
                 if target is JobState.QUEUED:
                     requeued.append(int(row.id))
         return requeued
-
-    def run_model(self, job_id: int) -> RunModel | None:
-        """The model of the job's run (None when the job is gone; models.attempt)."""
-        return attempt.run_model(self.engine, job_id)
-
-    def note_waiting(self, job_id: int, reason: str) -> None:
-        """Say on a queued job why it waits (its state, attempts and age stay as they are)."""
-        with self.engine.begin() as conn:
-            conn.execute(
-                update(Job)
-                .where(
-                    Job.id == job_id,
-                    Job.state == JobState.QUEUED.value,
-                    Job.last_error.is_distinct_from(reason),
-                )
-                .values(last_error=reason)
-            )
 
 
 def _lock_running(conn: Connection, job_id: int, worker: str) -> Any:

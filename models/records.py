@@ -153,6 +153,14 @@ class ClaimedJob:
     # Its run's and dataset's names, for the messages that send it back.
     run: str = ""
     dataset: str = ""
+    # What its run was templated for: only a server of that model may generate it.
+    model: str = ""
+    tokenizer_path: str = ""
+
+    @property
+    def run_model(self) -> RunModel:
+        """The model its run wants."""
+        return RunModel(self.run, self.model, self.tokenizer_path)
 
 
 @dataclass(frozen=True)

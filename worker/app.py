@@ -28,9 +28,9 @@ from worker.runner import DATABASE_UNAVAILABLE, Outcome, Result, WorkerContext, 
 
 log = logging.getLogger(__name__)
 # Outcomes after which the job is queued again: the feeder publishes it after its backoff
-# (RETRY, DEFERRED), or this message goes back so that a worker with a free slot takes it
-# (NO_SLOT: the job was never claimed, so its message is still the one it has out).
-_REQUEUE = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.NO_SLOT})
+# (RETRY, DEFERRED, UNSERVED), or this message goes back so that a worker with a free slot
+# takes it (NO_SLOT: the job was never claimed, so its message is still the one it has out).
+_REQUEUE = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.NO_SLOT, Outcome.UNSERVED})
 
 
 class JobFailed(Exception):

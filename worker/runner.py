@@ -72,6 +72,9 @@ class Outcome(Enum):
     NO_SLOT = "no_slot"  # none of our servers could take it: let another worker have it
     DEFERRED = "deferred"  # the budget is held by running jobs: the feeder offers it later
     SKIPPED = "skipped"  # the budget is spent
+    # None of our servers serves its run's model: given back to the feeder, which offers it
+    # again after a health interval (here or to another worker).
+    UNSERVED = "unserved"
 
 
 @dataclass(frozen=True)
@@ -177,51 +180,35 @@ class WorkerContext:
 
 
 def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
-    """Run one attempt of ``job_id``; the slot is taken before the claim, so a worker
-    whose servers are full or down never holds a job it cannot start."""
+    """Run one attempt of ``job_id``. The slot is taken before the claim, so a worker whose
+    servers are full or down never holds a job it cannot start; the claim says which model
+    the job's run wants, and a job no server of this worker serves is given back at once."""
     if ctx.stopping.is_set():
         return Result(Outcome.NO_SLOT, reason="worker stopping")
-    wanted = ctx.repo.run_model(job_id)
-    if wanted is None:
-        return Result(Outcome.NOT_CLAIMED, reason="job gone (deleted with its run)")
-    serving = [s for s in ctx.router.servers if s.serves(wanted) is None]
     interval = ctx.settings.health_interval_s
-    if not serving and ctx.router.identify_unknown(min(interval, 5.0), interval):
-        serving = [s for s in ctx.router.servers if s.serves(wanted) is None]
-    if not serving:
-        # Offered again (here or to another worker) after a health interval, as when every
-        # server is down: a server of its model may come up meanwhile.
-        reason = _unserved(ctx, job_id, wanted)
-        return Result(Outcome.NO_SLOT, ctx.settings.health_interval_s, reason=reason)
-    ctx.unserved.pop(wanted.run, None)  # served now: the heartbeat stops naming the run
-    lease = ctx.router.acquire(ctx.settings.slot_wait_s, among=serving)
+    known = ctx.router.identified(min(interval, 5.0), interval)
+    if not known:
+        # Nothing claimed: the message goes back, for a server to answer meanwhile.
+        reasons = "; ".join(why for s in ctx.router.servers if (why := s.unknown_reason()))
+        return Result(Outcome.NO_SLOT, interval, reason=f"no server's model is known: {reasons}")
+    lease = ctx.router.acquire(ctx.settings.slot_wait_s, among=known)
     if lease is None:
         # Servers full: another worker may take it now. All down: not before the next probe.
-        down = not any(s.healthy for s in serving)
+        down = not any(s.healthy for s in known)
         return Result(
             Outcome.NO_SLOT,
-            ctx.settings.health_interval_s if down else 0.0,
+            interval if down else 0.0,
             reason=f"no free slot: this worker's servers are {'down' if down else 'full'}",
         )
+    held = [lease]  # the slot this attempt holds; another if the job's model is elsewhere
     try:
-        return _claimed_attempt(ctx, job_id, lease)
+        return _claimed_attempt(ctx, job_id, held)
     finally:
-        ctx.router.release(lease)
+        for each in held:
+            ctx.router.release(each)
 
 
-def _unserved(ctx: WorkerContext, job_id: int, wanted: RunModel) -> str:
-    """Leave the job queued, saying on it (and once in the log) why no server took it;
-    the reason."""
-    reasons = "; ".join(why for s in ctx.router.servers if (why := s.serves(wanted)))
-    reason = f"waiting for a server of model {wanted.model!r}: {reasons}"
-    if ctx.unserved.get(wanted.run) != reason:
-        ctx.unserved[wanted.run] = reason
-        log.warning("run %s: none of this worker's servers may generate it: %s", wanted.run, reason)
-    ctx.repo.note_waiting(job_id, reason)
-    return reason
-
-
-def _claimed_attempt(ctx: WorkerContext, job_id: int, lease: Lease) -> Result:
+def _claimed_attempt(ctx: WorkerContext, job_id: int, held: list[Lease]) -> Result:
     claim = ctx.repo.claim(job_id, ctx.name, ctx.settings.lease_seconds)
     if claim.outcome == "deferred":
         wait = ctx.settings.budget_defer_s
@@ -235,36 +222,78 @@ def _claimed_attempt(ctx: WorkerContext, job_id: int, lease: Lease) -> Result:
         return Result(Outcome.SKIPPED, reason="skipped_budget: the dataset's budget is spent")
     if claim.job is None:
         return Result(Outcome.NOT_CLAIMED, reason="no longer queued (done or taken elsewhere)")
-    server = lease.server
+    job = claim.job
     # Tracked (its lease renewed, released at shutdown) until it is recorded or settled.
     ctx.track(job_id, True)
     try:
-        with ctx.metrics.request(server.name) as request:
-            try:
-                record = _generate(server, claim.job)
-            except AttemptError as error:
-                request.failed(error.kind)
-                failure: AttemptError | None = error
-            except Exception as exc:  # a response nothing expected: this attempt ends now
-                failure = _unexpected(server, exc)
-                request.failed(failure.kind)
-            else:
-                failure = None
-        if failure is not None:
-            return _settle_failure(ctx, server, claim.job, failure)
-        try:
-            recorded = _record(ctx, job_id, record)
-        except DATABASE_UNAVAILABLE:
-            raise  # the task sends the job back; the lease covers it meanwhile
-        except Exception as exc:  # e.g. an id beyond int32, which Postgres cannot hold
-            failure = _unexpected(server, exc)
-            return _settle_failure(ctx, server, claim.job, failure)
+        lease = _slot_of_its_model(ctx, job, held)
+        if isinstance(lease, Result):
+            return lease
+        return _generated(ctx, job, lease.server)
     finally:
         ctx.track(job_id, False)
+
+
+def _slot_of_its_model(ctx: WorkerContext, job: ClaimedJob, held: list[Lease]) -> Lease | Result:
+    """A slot on a server of the job's model: the one held, or one taken in its place; else
+    the job given back (not an attempt of its own) and why."""
+    wanted = job.run_model
+    if held[0].server.serves(wanted) is None:
+        ctx.unserved.pop(wanted.run, None)  # served: the heartbeat stops naming the run
+        return held[0]
+    serving = [s for s in ctx.router.servers if s.serves(wanted) is None]
+    if not serving:
+        reason = _unserved(ctx, wanted)
+        wait = ctx.settings.health_interval_s
+        ctx.repo.release(job.id, ctx.name, reason, refund=True, retry_in_s=wait)
+        return Result(Outcome.UNSERVED, wait, reason=reason)
+    ctx.unserved.pop(wanted.run, None)
+    other = ctx.router.acquire(ctx.settings.slot_wait_s, among=serving)
+    if other is None:
+        reason = f"no free slot on a server of model {wanted.model!r}"
+        ctx.repo.release(job.id, ctx.name, reason, refund=True)
+        return Result(Outcome.RETRY, reason=reason)
+    ctx.router.release(held.pop())
+    held.append(other)
+    return other
+
+
+def _unserved(ctx: WorkerContext, wanted: RunModel) -> str:
+    """Why none of this worker's servers may generate the run (said once in the log and
+    kept for the heartbeat, so that `status` shows it)."""
+    reasons = "; ".join(why for s in ctx.router.servers if (why := s.serves(wanted)))
+    reason = f"waiting for a server of model {wanted.model!r}: {reasons}"
+    if ctx.unserved.get(wanted.run) != reason:
+        ctx.unserved[wanted.run] = reason
+        log.warning("run %s: none of this worker's servers may generate it: %s", wanted.run, reason)
+    return reason
+
+
+def _generated(ctx: WorkerContext, job: ClaimedJob, server: Server) -> Result:
+    """Call the server, check, record; every failure settled."""
+    with ctx.metrics.request(server.name) as request:
+        try:
+            record = _generate(server, job)
+        except AttemptError as error:
+            request.failed(error.kind)
+            failure: AttemptError | None = error
+        except Exception as exc:  # a response nothing expected: this attempt ends now
+            failure = _unexpected(server, exc)
+            request.failed(failure.kind)
+        else:
+            failure = None
+    if failure is not None:
+        return _settle_failure(ctx, server, job, failure)
+    try:
+        recorded = _record(ctx, job.id, record)
+    except DATABASE_UNAVAILABLE:
+        raise  # the task sends the job back; the lease covers it meanwhile
+    except Exception as exc:  # e.g. an id beyond int32, which Postgres cannot hold
+        return _settle_failure(ctx, server, job, _unexpected(server, exc))
     if recorded:
         ctx.metrics.recorded(server.name, record.prompt_tokens, record.completion_tokens)
         return Result(Outcome.DONE, tokens=record.completion_tokens)
-    log.warning("job %s: claim lost before recording; result dropped", job_id)
+    log.warning("job %s: claim lost before recording; result dropped", job.id)
     return Result(Outcome.LOST, reason="claim lost before recording; result dropped")
 
 

@@ -41,9 +41,15 @@ class Server:
     def serves(self, wanted: RunModel) -> str | None:
         """None when this server may generate the run's jobs, else why not."""
         if self.served is None:
-            return f"{self.name}: its model is not known yet (/get_model_info unanswered)"
+            return self.unknown_reason()
         difference = mismatch(wanted, self.served)
         return None if difference is None else f"{self.name}: {difference}"
+
+    def unknown_reason(self) -> str | None:
+        """Why this server generates nothing yet (None once its model is known)."""
+        if self.served is not None:
+            return None
+        return f"{self.name}: its model is not known yet (/get_model_info unanswered)"
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,14 @@ class Router:
                             "server %s: its model is not known yet: %s", server.name, reason
                         )
         return True
+
+    def identified(self, timeout_s: float, retry_after_s: float) -> list[Server]:
+        """The servers whose model is known. Only when none is does the caller wait for the
+        others to be asked (``identify_unknown``); else the health loop asks them."""
+        known = [s for s in self.servers if s.served is not None]
+        if not known and self.identify_unknown(timeout_s, retry_after_s):
+            known = [s for s in self.servers if s.served is not None]
+        return known
 
     def acquire(self, timeout_s: float, among: Sequence[Server] | None = None) -> Lease | None:
         """A slot on some healthy server (of ``among``, default all), waiting up to
