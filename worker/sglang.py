@@ -1,20 +1,27 @@
-"""The SGLang client: per server, one ``httpx.Client`` of one connection per worker thread.
+"""The SGLang client: per server, one HTTP/1.1 connection per worker thread.
 
-Not one pool shared by all threads: httpcore's pool can close a connection it has just
-handed to another thread's request (encode/httpcore#1110); the request then waits for an
-answer on a closed socket until its read timeout, which for a generation is an hour. Seen
-here as a job `running` for good at 600 requests in flight (BENCHMARKS.md, "Hung
-requests"). A pool used by one thread only has no such race.
+Generations go out on the standard library's ``http.client``: a generation is one POST of
+JSON on a kept-alive connection, and httpx's layers around that cost the worker more of
+its one core per job than anything but the database (BENCHMARKS.md, "Orchestration
+ceiling"). Probes and metrics reads, a few a minute, stay on httpx.
+
+One connection per thread, never a pool shared by threads: httpcore's shared pool could
+close a connection it had just handed to another thread's request (encode/httpcore#1110),
+which then waited for an answer on a closed socket until its read timeout, an hour for a
+generation (seen here at 600 requests in flight: BENCHMARKS.md, "Hung requests"). A
+connection only its own thread uses has no such race.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import ssl
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -23,9 +30,13 @@ from core.settings import ServerSpec
 from worker.retry import AttemptError, ErrorKind, classify_status, status_kind
 from worker.stream import Assembler, events
 
+# A kept connection idle this long is closed, not reused: below the server's keep-alive
+# (uvicorn, so SGLang: 5 s), so that it is never reused just as the server closes it.
 KEEPALIVE_EXPIRY_S = 2.0
+CONNECT_TIMEOUT_S = 10.0
 # An error body is shown, not stored: its first bytes say enough.
 ERROR_BODY_BYTES = 64 << 10
+READ_BYTES = 64 << 10
 
 
 class SGLangClient:
@@ -41,18 +52,21 @@ class SGLangClient:
         stream: bool | None = False,
     ) -> None:
         self.server = server
-        self._timeout = httpx.Timeout(timeout_s, connect=10.0)
-        self._stall_timeout = httpx.Timeout(stall_timeout_s, connect=10.0)
+        url = urlsplit(server.url)
+        self._address = (url.hostname or "", url.port)
+        self._https = url.scheme == "https"
+        self._path = f"{url.path.rstrip('/')}/generate"
+        self._timeout_s = timeout_s
         # None: decided by `adopt_streaming` once the server said how it streams.
         self.stream_choice = stream
         self._stream = bool(stream)
         self._max_bytes = max_response_bytes
         self._stall_s = stall_timeout_s
-        # One context for every thread's client (each would load the CA bundle otherwise).
-        self._ssl = ssl.create_default_context()
+        # One context for every thread's connection (each would load the CA bundle else).
+        self._ssl = ssl.create_default_context() if self._https else None
         self._local = threading.local()
-        self._clients: list[httpx.Client] = []
-        self._clients_lock = threading.Lock()
+        self._open: set[http.client.HTTPConnection] = set()
+        self._open_lock = threading.Lock()
         # Probes must not queue behind generations for a connection: a worker busy on
         # every thread would time its probe out and call a healthy server down.
         self._probe = httpx.Client(
@@ -91,61 +105,78 @@ class SGLangClient:
             payload["stream"] = True
         # A streamed answer shows progress, so silence longer than a stall is one; a whole
         # answer comes only at the end of its generation, after up to request_timeout_s.
-        timeout = self._stall_timeout if streamed else self._timeout
+        timeout = self._stall_s if streamed else self._timeout_s
+        connection = self._connection()
+        reusable = False
         try:
-            with self._thread_client().stream(
-                "POST", "/generate", json=payload, timeout=timeout
-            ) as response:
-                if response.status_code != 200:
-                    raise AttemptError(
-                        f"{self.server.name}: HTTP {response.status_code}: "
-                        f"{_error_message(_head(response))}",
-                        retryable=classify_status(response.status_code),
-                        kind=status_kind(response.status_code),
-                    )
-                if streamed:
-                    return self._streamed(response)
-                raw = self._body(response)
-        except httpx.TransportError as exc:
+            response = self._post(connection, json.dumps(payload).encode(), timeout)
+            if response.status != 200:
+                raise AttemptError(
+                    f"{self.server.name}: HTTP {response.status}: "
+                    f"{_error_message(response.read(ERROR_BODY_BYTES))}",
+                    retryable=classify_status(response.status),
+                    kind=status_kind(response.status),
+                )
+            answer: dict[str, Any] | bytes = (
+                self._streamed(response) if streamed else self._body(response)
+            )
+            # Kept only once its answer was read to the end (a stream left at [DONE] may
+            # still hold its last chunk) and the server keeps it open.
+            reusable = response.isclosed() and not response.will_close
+        except (OSError, http.client.HTTPException) as exc:
             raise AttemptError(
                 f"{self.server.name}: {type(exc).__name__}: {exc}",
                 retryable=True,
                 transport=True,
-                kind=(
-                    ErrorKind.TIMEOUT
-                    if isinstance(exc, httpx.TimeoutException)
-                    else ErrorKind.CONNECTION
-                ),
+                kind=ErrorKind.TIMEOUT if isinstance(exc, TimeoutError) else ErrorKind.CONNECTION,
             ) from exc
+        finally:
+            if reusable:
+                self._local.idle_since = time.monotonic()
+            else:
+                self._drop(connection)
+        if isinstance(answer, dict):  # streamed, already folded and parsed
+            return answer
         try:
-            return json.loads(raw)
+            return json.loads(answer)
         except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
             raise AttemptError(
                 f"{self.server.name}: malformed JSON body", retryable=True, kind=ErrorKind.MALFORMED
             ) from exc
 
-    def _streamed(self, response: httpx.Response) -> dict[str, Any]:
+    def _post(
+        self, connection: http.client.HTTPConnection, body: bytes, timeout_s: float
+    ) -> http.client.HTTPResponse:
+        """Send the request and wait up to ``timeout_s`` for the response's headers (and as
+        long for each read after them)."""
+        if connection.sock is None:
+            connection.connect()  # within CONNECT_TIMEOUT_S
+        connection.sock.settimeout(timeout_s)
+        connection.request("POST", self._path, body, {"Content-Type": "application/json"})
+        return connection.getresponse()
+
+    def _streamed(self, response: http.client.HTTPResponse) -> dict[str, Any]:
         """A streamed answer folded into one body (worker.stream)."""
         assembler = Assembler()
-        chunks = response.iter_bytes()
+        chunks = iter(lambda: response.read1(READ_BYTES), b"")
         for data in events(chunks, max_event_bytes=self._max_bytes, stall_s=self._stall_s):
             assembler.add(data)
             if assembler.done:
                 break
         return assembler.answer()
 
-    def _body(self, response: httpx.Response) -> bytes:
+    def _body(self, response: http.client.HTTPResponse) -> bytes:
         """The whole body, refused past ``max_response_bytes`` without reading the rest,
         and once it takes longer than ``stall_timeout_s`` to arrive: SGLang writes its
         answer at once, so a body that trickles in is a stuck or hostile server, which the
         hour-long read timeout (reset by every byte) would not catch."""
-        declared = response.headers.get("content-length", "")
+        declared = response.getheader("content-length", "")
         if declared.isdigit() and int(declared) > self._max_bytes:
             raise self._too_large(f"declares {declared} bytes")
         deadline = time.monotonic() + self._stall_s
         chunks: list[bytes] = []
         size = 0
-        for chunk in response.iter_bytes():
+        while chunk := response.read1(READ_BYTES):
             size += len(chunk)
             if size > self._max_bytes:
                 raise self._too_large(f"went past {self._max_bytes} bytes")
@@ -157,6 +188,7 @@ class SGLangClient:
                     kind=ErrorKind.STALLED,
                 )
             chunks.append(chunk)
+        response.read()  # nothing is left: this marks the response read to its end
         return b"".join(chunks)
 
     def _too_large(self, what: str) -> AttemptError:
@@ -172,44 +204,41 @@ class SGLangClient:
         """A GET on the server (health probes, metrics), on its own small pool."""
         return self._probe.get(path, timeout=timeout_s)
 
-    def _thread_client(self) -> httpx.Client:
-        """This thread's client (built on its first request): one connection, kept alive."""
-        client: httpx.Client | None = getattr(self._local, "client", None)
-        if client is None:
-            client = httpx.Client(
-                base_url=self.server.url,
-                timeout=self._timeout,
-                verify=self._ssl,
-                limits=httpx.Limits(
-                    max_connections=1,
-                    max_keepalive_connections=1,
-                    # Below the server's keep-alive (uvicorn, so SGLang: 5 s), so that a
-                    # kept connection is never reused just as the server closes it.
-                    keepalive_expiry=KEEPALIVE_EXPIRY_S,
-                ),
+    def _connection(self) -> http.client.HTTPConnection:
+        """This thread's connection: the kept one unless idle too long, else a new one
+        (connected when the request is sent)."""
+        connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
+        if connection is not None:
+            if time.monotonic() - self._local.idle_since < KEEPALIVE_EXPIRY_S:
+                return connection
+            self._drop(connection)
+        host, port = self._address
+        if self._https:
+            connection = http.client.HTTPSConnection(
+                host, port, timeout=CONNECT_TIMEOUT_S, context=self._ssl
             )
-            self._local.client = client
-            with self._clients_lock:
-                self._clients.append(client)
-        return client
+        else:
+            connection = http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT_S)
+        self._local.connection = connection
+        with self._open_lock:
+            self._open.add(connection)
+        return connection
+
+    def _drop(self, connection: http.client.HTTPConnection) -> None:
+        """Close a connection that is not to be used again."""
+        connection.close()
+        if getattr(self._local, "connection", None) is connection:
+            self._local.connection = None
+        with self._open_lock:
+            self._open.discard(connection)
 
     def close(self) -> None:
         """Close every thread's connection and the probes'."""
-        with self._clients_lock:
-            clients, self._clients = self._clients, []
-        for client in clients:
-            client.close()
+        with self._open_lock:
+            connections, self._open = self._open, set()
+        for connection in connections:
+            connection.close()
         self._probe.close()
-
-
-def _head(response: httpx.Response) -> bytes:
-    """The first ERROR_BODY_BYTES of a body; the rest is not read."""
-    head = bytearray()
-    for chunk in response.iter_bytes():
-        head += chunk
-        if len(head) >= ERROR_BODY_BYTES:
-            break
-    return bytes(head[:ERROR_BODY_BYTES])
 
 
 def _error_message(raw: bytes) -> str:

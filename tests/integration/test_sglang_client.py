@@ -15,23 +15,27 @@ from worker.sglang import SGLangClient
 IDS = special_ids()
 
 
-def test_each_thread_has_its_own_client_and_close_closes_them_all(sim: SimServer) -> None:
+def test_each_thread_keeps_its_own_connection_and_close_closes_them_all(
+    sim: SimServer,
+) -> None:
     client = SGLangClient(ServerSpec(name="sim", url=sim.url), timeout_s=30)
-    seen: list[object] = []
+    seen: list[tuple[int, int]] = []  # (connection, its local port) after each request
     lock = threading.Lock()
 
     def ask(i: int) -> int:
         body = client.generate([IDS.bos, 100 + i, IDS.think_start], {"max_new_tokens": 4}, str(i))
+        connection = client._local.connection
         with lock:
-            seen.append(client._local.client)
+            seen.append((id(connection), connection.sock.getsockname()[1]))
         return len(body["output_ids"])
 
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(ask, range(64))) == [4] * 64
-    assert len({id(c) for c in seen}) == 8  # one per thread, reused for its next requests
-    clients = list(client._clients)
+    # One connection per thread, kept alive for its next requests: 8 sockets for 64 requests.
+    assert len(set(seen)) == 8
+    connections = list(client._open)
     client.close()
-    assert all(c.is_closed for c in clients)
+    assert len(connections) == 8 and all(c.sock is None for c in connections)
 
 
 def test_many_threads_at_once_all_get_their_answer(sim: SimServer) -> None:
