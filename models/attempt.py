@@ -38,14 +38,20 @@ RETURNING jobs.id, jobs.dataset_id, jobs.input_ids, jobs.prompt_tokens, jobs.att
           datasets.name AS dataset, runs.name AS run, runs.think_end_id, runs.vocab_size,
           runs.model_name, runs.tokenizer_path
 """
-_HOLD = "UPDATE jobs SET reserved_tokens = %(need)s WHERE id = %(job)s"
 
-# The ledger rule of DESIGN §4, one conditional UPDATE per branch (see `claim`); each also
-# counts the job as running.
+# The ledger rule of DESIGN §4, one conditional UPDATE of the dataset per branch (see
+# `claim`), which also counts the job as running; only when it reserved does the job
+# record what it holds, in the same statement.
 _RESERVE = f"""
-UPDATE datasets SET reserved_tokens = reserved_tokens + %(need)s, {moved_sql(QUEUED, RUNNING)}
-WHERE id = %(dataset)s AND {{condition}}
-RETURNING id
+WITH reserved AS (
+    UPDATE datasets SET reserved_tokens = reserved_tokens + %(need)s,
+           {moved_sql(QUEUED, RUNNING)}
+    WHERE id = %(dataset)s AND {{condition}}
+    RETURNING id
+)
+UPDATE jobs SET reserved_tokens = %(need)s FROM reserved
+WHERE jobs.id = %(job)s
+RETURNING jobs.id
 """
 # The worst case fits next to what is settled and held (or there is no budget).
 _RESERVE_IF_FITS = _RESERVE.format(
@@ -69,12 +75,17 @@ WHERE id = %(dataset)s AND used_tokens >= budget_tokens
 RETURNING id
 """
 
-# The running job, locked, if this worker still holds it; with what its dataset counts.
-_LOCK_RUNNING = """
-SELECT j.dataset_id, j.reserved_tokens, d.budget_basis
-FROM jobs j JOIN datasets d ON d.id = j.dataset_id
-WHERE j.id = %(job)s AND j.state = 'running' AND j.worker = %(worker)s
-FOR UPDATE OF j
+# Mark the job done if this worker still holds it. The subquery locks the row and reads
+# what it reserved before this UPDATE zeroes it (RETURNING shows only new values).
+_DONE = """
+UPDATE jobs SET state = 'done', reserved_tokens = 0, lease_until = NULL, last_error = NULL,
+       updated_at = now(), finished_at = now()
+FROM (SELECT id, reserved_tokens FROM jobs
+      WHERE id = %(job)s AND state = 'running' AND worker = %(worker)s
+      FOR UPDATE) AS held,
+     datasets
+WHERE jobs.id = held.id AND datasets.id = jobs.dataset_id
+RETURNING jobs.dataset_id, held.reserved_tokens, datasets.budget_basis
 """
 _INSERT_GENERATION = """
 INSERT INTO generations (job_id, dataset_id, output_ids, finish_type, finish_matched,
@@ -86,11 +97,6 @@ VALUES (%(job)s, %(dataset)s, %(output_ids)s, %(finish_type)s, %(finish_matched)
     %(answer_tokens)s)
 ON CONFLICT (job_id) DO NOTHING
 RETURNING job_id
-"""
-_DONE = """
-UPDATE jobs SET state = 'done', reserved_tokens = 0, lease_until = NULL, last_error = NULL,
-       updated_at = now(), finished_at = now()
-WHERE id = %(job)s
 """
 _SETTLE_DONE = f"""
 UPDATE datasets SET used_tokens = used_tokens + %(used)s,
@@ -132,12 +138,11 @@ def _claim(cursor: Cursor[Any], job_id: int, worker: str, lease_seconds: int) ->
     params = dict(job.sampling_params or {})
     max_new = int(params.get("max_new_tokens", 0))
     need = worst_case(job.prompt_tokens, max_new, BudgetBasis(job.budget_basis))
-    cursor.execute(_HOLD, {"job": job_id, "need": need})
     # The dataset row is every worker's hot spot: touch it only with the last statement
     # before COMMIT, and only in single conditional UPDATEs (never a lock held across round
     # trips). Each branch of the ledger rule is one atomic predicate, or a fact that only
     # grows (used), so no decision needs a lock.
-    ledger = {"dataset": job.dataset_id, "need": need}
+    ledger = {"job": job_id, "dataset": job.dataset_id, "need": need}
     if not _one(cursor, _RESERVE_IF_FITS, ledger) and not _one(
         cursor, _RESERVE_IF_NOTHING_HELD, ledger
     ):
@@ -168,13 +173,12 @@ def record(engine: Engine, job_id: int, worker: str, gen: GenerationRecord) -> b
     """Store the generation, settle the ledger, mark done: atomically; False if not ours."""
     try:
         with engine.begin() as conn, driver_cursor(conn) as cursor:
-            job = cursor.execute(_LOCK_RUNNING, {"job": job_id, "worker": worker}).fetchone()
+            job = cursor.execute(_DONE, {"job": job_id, "worker": worker}).fetchone()
             if job is None:
                 return False
             row = {"job": job_id, "dataset": job.dataset_id, **_generation_params(gen)}
             if not _one(cursor, _INSERT_GENERATION, row):
                 raise Rollback("already_recorded")  # never while the claim holds
-            cursor.execute(_DONE, {"job": job_id})
             basis = BudgetBasis(job.budget_basis)
             settle = {
                 "dataset": job.dataset_id,

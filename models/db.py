@@ -27,8 +27,11 @@ def make_engine(
     max_overflow: int | None = None,
     async_commit: bool = False,
     hold_limit_ms: int | None = None,
+    pre_ping: bool = True,
 ) -> Engine:
-    """A pooled engine whose connections are checked before use (Postgres may restart).
+    """A pooled engine whose connections are checked before use (Postgres may restart;
+    ``pre_ping`` False: they are not, and the first use of a stale one fails, after which
+    SQLAlchemy renews the whole pool).
 
     At most ``pool_size`` + ``max_overflow`` (default: as many again) connections; a thread
     that finds none free waits for one (SQLAlchemy's TimeoutError after 30 s).
@@ -53,7 +56,7 @@ def make_engine(
         normalize_database_url(url),
         pool_size=pool_size,
         max_overflow=pool_size if max_overflow is None else max_overflow,
-        pool_pre_ping=True,
+        pool_pre_ping=pre_ping,
         connect_args=options,
     )
 
