@@ -217,8 +217,9 @@ class Background:
                 report = feeder.feed()
                 if report.published or report.skipped:
                     log.info("feeder: %s", report.as_dict())
-                if report.drained and report.published:
-                    self._stop.wait(min(0.05, s.feed_interval_s))
+                wait = report.next_pass_s(s.feed_interval_s)
+                if wait < s.feed_interval_s:
+                    self._stop.wait(wait)
                 else:  # BLPOP takes whole seconds on older Redis servers
                     self.ctx.redis.blpop([wake], timeout=max(1, round(s.feed_interval_s)))
             except Exception:  # the loop must outlive Redis or Postgres restarts

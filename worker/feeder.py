@@ -35,6 +35,8 @@ MIN_WINDOW = 64
 # How long `status` trusts the feeder's last report (it is rewritten at every pass).
 REPORT_TTL_S = 60
 WINDOW_TTL_S = 5.0
+# The shortest wait between passes while workers drain the list.
+SOON_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,20 @@ class FeedReport:
     in_redis: int  # messages waiting in the queue list before the pass
     published: int
     skipped: int  # jobs of spent budgets skipped unpublished
+    # Messages the workers took per second since the previous pass (0 on the first).
+    taken_per_s: float = 0.0
 
-    @property
-    def drained(self) -> bool:
-        """The list was down to half the window, so this pass topped it up: workers may
-        take faster than one pass a feed interval gives, and the next should come at once."""
-        return self.in_redis <= self.window // 2
+    def next_pass_s(self, interval_s: float) -> float:
+        """When to look again. Soon after a top-up (workers may take faster than one pass
+        an interval gives), else halfway to when the workers' pace brings the list down to
+        half the window, and never later than the interval: a fast worker empties a window
+        well within a second, and an idle list must not wait for a pass to refill it."""
+        if self.published and self.in_redis <= self.window // 2:
+            return min(SOON_S, interval_s)
+        if self.taken_per_s <= 0:
+            return interval_s
+        above_half = max(0, self.in_redis + self.published - self.window // 2)
+        return min(interval_s, max(SOON_S, above_half / self.taken_per_s / 2))
 
     def as_dict(self) -> dict[str, int]:
         """The ``--json`` shape."""
@@ -81,14 +91,19 @@ class Feeder:
         # Told the skipped jobs that had a message before (Flower shows their last state).
         self.on_skipped = on_skipped
         self._auto: tuple[float, int] | None = None  # (until, window) from the heartbeats
+        # When the previous pass ended and how many messages it left in the list.
+        self._last: tuple[float, int] | None = None
 
     def feed(self) -> FeedReport:
         """Once the queue list is down to half the window: skip spent datasets' jobs, then
         top it up to the window. Above half, a pass costs one LLEN and no query."""
         window = self._window()
         in_redis = int(self.client.llen(self.publisher.queue))
+        now = time.monotonic()
+        taken_per_s = self._pace(now, in_redis)
         if in_redis > window // 2:
-            return self._report(FeedReport(window, in_redis, 0, 0))
+            self._last = (now, in_redis)
+            return self._report(FeedReport(window, in_redis, 0, 0, taken_per_s))
         datasets = self.repo.feed_datasets()
         skipped = sum(self._skip(d) for d in datasets if d.spent and d.ready)
         order = allocate([share_of(d) for d in datasets if not d.spent], window - in_redis)
@@ -103,7 +118,15 @@ class Feeder:
                 published = self.publisher.publish(ids, labels)
 
             self.repo.take_next(Counter(order), publish)
-        return self._report(FeedReport(window, in_redis, published, skipped))
+        self._last = (now, in_redis + published)
+        return self._report(FeedReport(window, in_redis, published, skipped, taken_per_s))
+
+    def _pace(self, now: float, in_redis: int) -> float:
+        """Messages taken from the list per second since the previous pass left it."""
+        if self._last is None or now <= self._last[0]:
+            return 0.0
+        when, left = self._last
+        return max(0, left - in_redis) / (now - when)
 
     def _report(self, report: FeedReport) -> FeedReport:
         """Leave the pass's figures for `status`."""
