@@ -41,6 +41,7 @@ _DEFAULT_ONLY_KEYS: Mapping[str, tuple[object, ...]] = {
     "bootstrap_host": (None,),
     "bootstrap_port": (None,),
     "bootstrap_room": (None,),
+    "return_routed_experts": (None, False),  # SGLang 0.5.2x: MoE routing, off by default
 }
 # Every key of SGLang's SamplingParams; anything else is an error there too.
 _SAMPLING_KEYS = frozenset(

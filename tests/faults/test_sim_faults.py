@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -24,13 +25,20 @@ FAULTS = FaultConfig(
 )
 
 
-def _transport_errors(cls: type[Exception] = httpx.TransportError) -> set[str]:
-    """Names of httpx's transport errors: what a dropped connection may surface as."""
-    return {cls.__name__}.union(*(_transport_errors(sub) for sub in cls.__subclasses__()))
+def _subclass_names(cls: type[Exception]) -> set[str]:
+    return {cls.__name__}.union(*(_subclass_names(sub) for sub in cls.__subclasses__()))
 
 
+# What a dropped connection may surface as: the socket's and http.client's errors, which
+# the worker's SGLang client reports as transport errors.
+TRANSPORT_ERRORS = _subclass_names(OSError) | _subclass_names(http.client.HTTPException)
 # What the last error of a job failed by each injected fault says.
-REASONS = ("HTTP 503", "HTTP 500", "malformed JSON", *sorted(_transport_errors()))
+REASONS = (
+    "HTTP 503",
+    "HTTP 500",
+    "malformed JSON",
+    *(f": {name}: " for name in sorted(TRANSPORT_ERRORS)),
+)
 
 
 def test_high_fault_rates_end_every_job_done_or_failed_with_a_reason(
