@@ -36,10 +36,24 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# Every benchmark of BENCHMARKS.md, as recorded there (hours on a 2-core machine; each
+# prints its own ratios). bench.serving installs SGLang's bench_serving into its own venv.
 bench: install
 	$(BIN)/python -m bench.token_storage
 	$(BIN)/python -m bench.enqueue stages --prompts 50000
 	$(BIN)/python -m bench.enqueue rate --prompts 200000
+	$(BIN)/python -m bench.enqueue rss --sizes 100000 1000000
+	$(BIN)/python -m bench.export --sizes 100000 1000000
+	$(BIN)/python -m bench.export --sizes 5000 50000 --format conversations
+	$(BIN)/python -m bench.status --jobs 1000000 --repeat 5
+	$(BIN)/python -m bench.stats --generations 1000000 --sample 10000
+	$(BIN)/python -m bench.sim_curve
+	$(BIN)/python -m bench.adaptive
+	$(BIN)/python -m bench.worker_throughput --ceiling --rounds 3
+	for c in 64 256 600; do $(BIN)/python -m bench.worker_throughput --concurrency $$c --rounds 3 || exit 1; done
+	$(BIN)/python -m bench.serving --setup
+	$(BIN)/python -m bench.serving --requests 2000 --concurrency 64,256 --rounds 3 --modes plain
+	$(BIN)/python -m bench.serving --requests 2000 --concurrency 64,256 --rounds 3 --modes stream --incremental
 
 clean:
 	rm -rf $(VENV) .eaglegen .pytest_cache .mypy_cache .ruff_cache
