@@ -107,6 +107,7 @@ class SGLangClient:
         # answer comes only at the end of its generation, after up to request_timeout_s.
         timeout = self._stall_s if streamed else self._timeout_s
         connection = self._connection()
+        response: http.client.HTTPResponse | None = None
         reusable = False
         try:
             response = self._post(connection, json.dumps(payload).encode(), timeout)
@@ -134,6 +135,8 @@ class SGLangClient:
             if reusable:
                 self._local.idle_since = time.monotonic()
             else:
+                if response is not None:  # a Connection: close answer owns the socket
+                    response.close()
                 self._drop(connection)
         if isinstance(answer, dict):  # streamed, already folded and parsed
             return answer
