@@ -48,6 +48,7 @@ class Behaviour:
     bytes_sent: int = 0
     requests: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    client_gone: threading.Event = field(default_factory=threading.Event)  # a write failed
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -94,6 +95,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self.behaviour.bytes_sent += len(chunk)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client stopped reading: what it should do
+            self.behaviour.client_gone.set()
 
     def log_message(self, *_: Any) -> None:
         """Quiet: http.server would print a line per request to stderr."""

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
 
 from core.settings import ServerSpec
 from eaglegen.assets import special_ids
 from eaglegen.sim import SimServer
+from tests.hostile import Answer, Behaviour, good, hostile_server
+from worker.retry import AttemptError
 from worker.sglang import SGLangClient
 
 IDS = special_ids()
@@ -59,3 +65,41 @@ def test_many_threads_at_once_all_get_their_answer(sim: SimServer) -> None:
     finally:
         client.close()
     assert slowest < 45, f"a thread took {slowest:.0f} s for 4 short answers"
+
+
+def _dripping(request: dict[str, Any]) -> Answer:
+    return Answer(good(request).body, pause_s=0.05)
+
+
+def _endless(request: dict[str, Any]) -> Answer:
+    return Answer(stream=iter(lambda: b"[" * 65536, b""))
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [(_dripping, "a stalled or dripping server"), (_endless, "over max_response_bytes")],
+    ids=["dripping", "endless"],
+)
+def test_a_refused_answer_closes_its_socket_at_once(
+    answer: Callable[[dict[str, Any]], Answer], reason: str
+) -> None:
+    # The test server answers with Connection: close, so the response owns the socket: the
+    # client must close it as it refuses the answer, not leave it open until the garbage
+    # collector finds it (the error is kept here, as a worker's task keeps it while it
+    # reports the failure; the server's next write then fails).
+    behaviour = Behaviour(answer=answer)
+    with hostile_server(behaviour) as url:
+        client = SGLangClient(
+            ServerSpec(name="h", url=url),
+            timeout_s=30,
+            stall_timeout_s=0.5,
+            max_response_bytes=1 << 20,
+        )
+        try:
+            with pytest.raises(AttemptError) as refused:
+                client.generate([IDS.bos, 5], {"max_new_tokens": 4}, "1")
+            assert behaviour.client_gone.wait(5), "the refused answer's socket is still open"
+            assert not client._open
+        finally:
+            client.close()
+    assert reason in str(refused.value)
