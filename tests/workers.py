@@ -5,8 +5,10 @@ the jobs: without them nothing stored reaches Redis)."""
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from celery.contrib.testing.worker import start_worker
@@ -15,6 +17,9 @@ from core.settings import Settings
 from worker.app import create_worker_app
 from worker.background import Background
 from worker.runner import WorkerContext
+
+# How long the tasks still running when a test's worker stops may take to end.
+TASKS_EXIT_S = 30.0
 
 
 @contextmanager
@@ -36,8 +41,28 @@ def in_thread_worker(
             queues=[settings.queue],
             shutdown_timeout=30,
             hostname=name,
-        ):
-            yield ctx, name
+        ) as controller:
+            try:
+                yield ctx, name
+            finally:
+                ctx.stopping.set()  # as on SIGTERM: a task waiting out an outage gives up
+        _join_tasks(controller.pool.executor, TASKS_EXIT_S)
     finally:
         background.stop()
         holder.close()
+
+
+def _join_tasks(executor: ThreadPoolExecutor, timeout_s: float) -> None:
+    """Wait for the tasks still running in the threads pool. start_worker ends the worker
+    with a cold shutdown, which does not wait for them (`eaglegen worker` stops warm, which
+    does): a task left running would outlive its closed context into the next test, taking
+    connections from a disposed pool and calling what that test patches."""
+    executor.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + timeout_s
+    for thread in list(executor._threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    running = sum(t.is_alive() for t in executor._threads)
+    if running:
+        raise RuntimeError(
+            f"{running} task(s) still running {timeout_s:g} s after the worker stopped"
+        )
