@@ -5,7 +5,7 @@ the jobs: without them nothing stored reaches Redis)."""
 from __future__ import annotations
 
 import socket
-import time
+import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -57,12 +57,10 @@ def _join_tasks(executor: ThreadPoolExecutor, timeout_s: float) -> None:
     with a cold shutdown, which does not wait for them (`eaglegen worker` stops warm, which
     does): a task left running would outlive its closed context into the next test, taking
     connections from a disposed pool and calling what that test patches."""
-    executor.shutdown(wait=False, cancel_futures=True)
-    deadline = time.monotonic() + timeout_s
-    for thread in list(executor._threads):
-        thread.join(max(0.0, deadline - time.monotonic()))
-    running = sum(t.is_alive() for t in executor._threads)
-    if running:
-        raise RuntimeError(
-            f"{running} task(s) still running {timeout_s:g} s after the worker stopped"
-        )
+    waiter = threading.Thread(
+        target=executor.shutdown, kwargs={"wait": True, "cancel_futures": True}, daemon=True
+    )
+    waiter.start()
+    waiter.join(timeout_s)
+    if waiter.is_alive():
+        raise RuntimeError(f"tasks still running {timeout_s:g} s after the worker stopped")
