@@ -47,6 +47,7 @@ import httpx
 from sqlalchemy import select, text
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
+from core import heartbeat
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.sim.metrics import parse
@@ -55,7 +56,6 @@ from models.repository import Repository
 from models.schema import Dataset, Job
 from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan
-from worker.commands import alive_workers
 
 PG = "postgresql://postgres@127.0.0.1:5432/postgres"
 REDIS = "redis://127.0.0.1:6379/0"
@@ -220,7 +220,7 @@ def worker_process(
 def _wait_heartbeat(broker_url: str, process: subprocess.Popen[bytes]) -> None:
     """Block until the worker process has written its heartbeat."""
     deadline = time.monotonic() + 60
-    while not any(b["pid"] == process.pid for b in alive_workers(broker_url, None, 30)):
+    while not any(b.pid == process.pid for b in heartbeat.alive(broker_url, None, 30)):
         if process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("worker did not start; see its log")
         time.sleep(0.1)

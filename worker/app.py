@@ -23,6 +23,7 @@ from core.wire import TASK_GENERATE
 from worker import metrics
 from worker.background import Background
 from worker.celeryconfig import make_celery
+from worker.numa import PinResult
 from worker.retry import backoff
 from worker.runner import DATABASE_UNAVAILABLE, Outcome, Result, WorkerContext, run_attempt
 
@@ -183,7 +184,7 @@ def start(
     settings: Settings,
     services: Services,
     servers: list[ServerSpec] | None = None,
-    info: dict[str, Any] | None = None,
+    pinned: PinResult | None = None,
     loglevel: str = "INFO",
     metrics_port: int | None = None,
 ) -> int:
@@ -213,12 +214,11 @@ def start(
         settings.db_pool_size,
         settings.worker_concurrency,
     )
-    numa_node = (info or {}).get("numa_node")
-    name = nodename([s.name for s in ctx.router.servers], numa_node)
+    name = nodename([s.name for s in ctx.router.servers], None if pinned is None else pinned.node)
     exporter = None if metrics_port is None else metrics.serve(ctx.metrics, metrics_port)
     if exporter is not None:
         log.warning("worker %s: Prometheus metrics on port %d", name, metrics_port)
-    background = Background(ctx, app, name, info)
+    background = Background(ctx, app, name, pinned)
     background.start()
     _on_shutdown(ctx)
     ending = _Ending()

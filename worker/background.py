@@ -4,22 +4,22 @@ reconciler and each server's concurrency controller."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import redis
 from celery import Celery
 
-from core import keys, wire
+from core import heartbeat, keys, wire
 from core.broker import redis_now, wake_feeder
+from core.heartbeat import Heartbeat, ServerBeat
 from worker.controller import LimitControllers
 from worker.feeder import Feeder
 from worker.leader import Leadership
+from worker.numa import PinResult
 from worker.reconcile import reconcile
 from worker.runner import WorkerContext, heartbeat_ttl
 from worker.servers import probe
@@ -32,12 +32,12 @@ class Background:
     """Starts the side loops of one worker process; each runs on a daemon thread."""
 
     def __init__(
-        self, ctx: WorkerContext, app: Celery, nodename: str, info: dict[str, Any] | None = None
+        self, ctx: WorkerContext, app: Celery, nodename: str, pinned: PinResult | None = None
     ) -> None:
         self.ctx = ctx
         self.app = app
         self.nodename = nodename
-        self.info = dict(info or {})
+        self.pinned = pinned  # where `--numa-node` pinned this process, for the heartbeat
         self.consuming = True
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -75,7 +75,7 @@ class Background:
         for thread in self._threads:
             thread.join(timeout=5)
         try:
-            self.ctx.redis.delete(keys.heartbeat(socket.gethostname(), os.getpid()))
+            heartbeat.remove(self.ctx.redis, socket.gethostname(), os.getpid())
             self._leadership.release(keys.feeder_lock(self.ctx.settings.queue))
         except redis.RedisError:  # Redis down: the heartbeat expires by itself
             log.warning("could not remove the heartbeat; it expires in a few beats")
@@ -99,36 +99,34 @@ class Background:
         """Write this process's heartbeat (expires after three missed beats)."""
         s = self.ctx.settings
         adaptive = {c.server.name for c in self.limits.controllers}
-        record = {
-            **self.info,
-            "worker": self.ctx.name,
-            "nodename": self.nodename,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
+        record = Heartbeat(
+            worker=self.ctx.name,
+            nodename=self.nodename,
+            host=socket.gethostname(),
+            pid=os.getpid(),
             # Redis's clock, the one every reader compares it with (hosts' clocks differ).
-            "ts": redis_now(self.ctx.redis),
-            "in_flight": len(self.ctx.running_jobs()),
-            "threads": s.worker_concurrency,
-            "consuming": self.consuming,
-            "db_pool": s.db_pool_size,
-            "servers": {
-                srv.name: {
-                    "healthy": srv.healthy,
-                    "reason": srv.reason,
-                    "held": len(srv.held),
-                    "limit": self.ctx.router.limit(srv),
-                    "adaptive": srv.name in adaptive,
-                    "model": srv.served.model_path if srv.served else None,
-                }
+            ts=redis_now(self.ctx.redis),
+            in_flight=len(self.ctx.running_jobs()),
+            threads=s.worker_concurrency,
+            consuming=self.consuming,
+            db_pool=s.db_pool_size,
+            servers={
+                srv.name: ServerBeat(
+                    healthy=srv.healthy,
+                    reason=srv.reason,
+                    held=len(srv.held),
+                    limit=self.ctx.router.limit(srv),
+                    adaptive=srv.name in adaptive,
+                    model=srv.served.model_path if srv.served else None,
+                )
                 for srv in self.ctx.router.servers
             },
-            "unserved_runs": dict(self.ctx.unserved),
-        }
-        self.ctx.redis.set(
-            keys.heartbeat(socket.gethostname(), os.getpid()),
-            json.dumps(record),
-            ex=heartbeat_ttl(s),
+            unserved_runs=dict(self.ctx.unserved),
+            numa_node=None if self.pinned is None else self.pinned.node,
+            cpus=None if self.pinned is None else self.pinned.cpus,
+            membind=None if self.pinned is None else str(self.pinned.membind),
         )
+        heartbeat.write(self.ctx.redis, record, heartbeat_ttl(s))
         for conflict in self.ctx.hold_server_names():
             log.error("%s", conflict)
 

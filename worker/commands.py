@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -11,10 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import redis
-
-from core import keys
-from core.broker import redis_now
 from core.settings import Services, Settings
 from worker import numa
 
@@ -51,7 +46,7 @@ def run_worker(
         settings,
         services,
         servers=servers,
-        info=pinned.as_dict(),
+        pinned=pinned,
         metrics_port=None if port is None else port + node.id,
     )
 
@@ -75,28 +70,3 @@ def _supervise(nodes: list[int], argv_rest: list[str], env: dict[str, str]) -> i
     signal.signal(signal.SIGINT, forward)
     codes = [child.wait() for child in children]
     return max(codes, default=0)
-
-
-def alive_workers(broker_url: str, host: str | None, max_age_s: float) -> list[dict[str, Any]]:
-    """Heartbeats of workers on ``host`` (all hosts when None) younger than ``max_age_s``."""
-    client = redis.Redis.from_url(broker_url, socket_connect_timeout=5)
-    try:
-        now = redis_now(client)
-        beats = heartbeats(client, host)
-    finally:
-        client.close()
-    return [b for b in beats if now - float(b.get("ts", 0)) <= max_age_s]
-
-
-def heartbeats(client: redis.Redis, host: str | None = None) -> list[dict[str, Any]]:
-    """Every heartbeat record in Redis (of ``host``'s workers when given); a record that is
-    not JSON is left out."""
-    beats = []
-    for key in client.scan_iter(keys.heartbeat_pattern(host)):
-        raw = client.get(key)
-        if raw is not None:
-            try:
-                beats.append(json.loads(raw))
-            except ValueError:
-                continue
-    return beats

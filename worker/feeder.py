@@ -1,6 +1,6 @@
 """The feeder: keeps a bounded window of messages in Redis, topped up from Postgres.
 
-Postgres holds every queued job; Redis carries only the next few (DESIGN §7). One worker of
+Postgres holds every queued job; Redis carries only the next few (docs/design.md §7). One worker of
 the cluster feeds (it holds ``keys.feeder_lock``, as the reconciler does): once the queue
 list is down to half the window it tops it up, with the next jobs of each dataset in its seeded
 order (models.order), the datasets interleaved so that each advances in proportion to its
@@ -20,11 +20,10 @@ from dataclasses import dataclass
 
 import redis
 
-from core import keys, wire
+from core import heartbeat, keys, wire
 from core.broker import Publisher
 from models.feed import FeedDataset
 from models.repository import Repository
-from worker.commands import heartbeats
 from worker.shares import allocate, share_of
 
 log = logging.getLogger(__name__)
@@ -162,9 +161,9 @@ def auto_window(client: redis.Redis) -> int:
     """``WINDOW_FACTOR`` times what the live workers can run at once: the lesser of their
     threads and their servers' in-flight limits (each server counted once)."""
     threads, limits = 0, {}
-    for beat in heartbeats(client):
-        threads += int(beat.get("threads") or 0)
-        for name, server in (beat.get("servers") or {}).items():
-            limits[name] = int(server.get("limit") or 0)
+    for beat in heartbeat.read_all(client):
+        threads += beat.threads
+        for name, server in beat.servers.items():
+            limits[name] = server.limit
     capacity = min(threads, sum(limits.values())) if limits else threads
     return max(MIN_WINDOW, WINDOW_FACTOR * capacity)

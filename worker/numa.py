@@ -167,10 +167,6 @@ class PinResult:
     cpus: str  # compact cpulist actually applied; empty where the platform cannot pin
     membind: MemPolicy
 
-    def as_dict(self) -> dict[str, int | str]:
-        """Plain JSON-ready fields for the heartbeat."""
-        return {"numa_node": self.node, "cpus": self.cpus, "membind": str(self.membind)}
-
     def __str__(self) -> str:
         return f"NUMA node {self.node}: cpus {self.cpus or 'unpinned'}, memory {self.membind}"
 

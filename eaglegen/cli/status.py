@@ -1,8 +1,9 @@
 """`eaglegen status`: progress, rates and ETA per dataset, server and run; `eaglegen
-exporter`: the same figures for Prometheus."""
+metrics`: the same figures for Prometheus."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -12,6 +13,8 @@ import typer
 from rich.console import Console, Group
 from rich.live import Live
 
+from core import heartbeat
+from core.heartbeat import Heartbeat
 from core.names import check_name
 from core.settings import Settings
 from eaglegen.cli.base import (
@@ -76,7 +79,7 @@ def status(
 
 
 @command(app)
-def exporter(
+def metrics(
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to serve /metrics on")] = 9464,
     host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
     run: Annotated[str | None, typer.Option(help="Only this run")] = None,
@@ -84,7 +87,7 @@ def exporter(
     data_dir: DataDir = None,
 ) -> None:
     """Serve the figures of `status` on /metrics for Prometheus until Ctrl-C or SIGTERM (one
-    exporter per cluster: it reads Postgres, the same for every worker)."""
+    per cluster: it reads Postgres, the same for every worker)."""
     from prometheus_client import start_http_server
     from prometheus_client.core import CollectorRegistry
 
@@ -108,6 +111,18 @@ def exporter(
             thread.join(timeout=5)
 
 
+# `exporter` was this command's name until it was confused with `export`: kept, unlisted.
+@command(app, name="exporter", hidden=True)
+@functools.wraps(metrics)
+def _exporter(*args: Any, **kwargs: Any) -> None:
+    err.print(
+        "[yellow]warning:[/] `eaglegen exporter` is now `eaglegen metrics`; "
+        "the old name will be removed",
+        highlight=False,
+    )
+    metrics(*args, **kwargs)
+
+
 def _view(settings: Settings, snapshot: StatusSnapshot) -> Group:
     """The terminal view of a snapshot with what Redis says now."""
     from eaglegen.report.status import status_view
@@ -127,22 +142,20 @@ def _watch(view: Any, interval: float) -> None:
         return
 
 
-def _beats(broker_url: str | None) -> list[dict[str, Any]] | None:
+def _beats(broker_url: str | None) -> list[Heartbeat] | None:
     """The live workers' heartbeats; None without a broker or when it does not answer
     (status reads Postgres first; servers' live state is a bonus)."""
     import redis
 
-    from worker.commands import alive_workers
-
     if broker_url is None:
         return None
     try:
-        return alive_workers(broker_url, None, BEAT_MAX_AGE_S)
+        return heartbeat.alive(broker_url, None, BEAT_MAX_AGE_S)
     except redis.RedisError:
         return None
 
 
-def _redis_state(settings: Settings, beats: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+def _redis_state(settings: Settings, beats: list[Heartbeat] | None) -> dict[str, Any] | None:
     """What Redis holds besides heartbeats: messages waiting in the queue list, the
     feeder's bound (from its last pass), and why each adaptive limit is what it is; None
     without a broker or when it does not answer."""
@@ -155,7 +168,7 @@ def _redis_state(settings: Settings, beats: list[dict[str, Any]] | None) -> dict
 
     if settings.broker_url is None:
         return None
-    servers = sorted({name for beat in beats or [] for name in beat.get("servers") or {}})
+    servers = sorted({name for beat in beats or [] for name in beat.servers})
     try:
         with redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5) as client:
             waiting = int(client.llen(settings.queue))
@@ -170,12 +183,12 @@ def _redis_state(settings: Settings, beats: list[dict[str, Any]] | None) -> dict
     }
 
 
-def _unserved(beats: list[dict[str, Any]] | None) -> list[str]:
+def _unserved(beats: list[Heartbeat] | None) -> list[str]:
     """Why jobs of a run wait: runs some live worker has no server for, with its reason."""
     reasons: dict[str, str] = {}
     for beat in beats or []:
-        for run, reason in (beat.get("unserved_runs") or {}).items():
-            reasons.setdefault(str(run), f"worker {beat.get('worker')}: {reason}")
+        for run, reason in beat.unserved_runs.items():
+            reasons.setdefault(run, f"worker {beat.worker}: {reason}")
     return [f"run {run}: {reason}" for run, reason in sorted(reasons.items())]
 
 

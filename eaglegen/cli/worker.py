@@ -58,7 +58,8 @@ def worker(
     """Run a Celery worker (threads pool) that generates queued jobs."""
     import socket
 
-    from worker.commands import alive_workers, run_worker
+    from core import heartbeat
+    from worker.commands import run_worker
 
     settings = load_settings(
         database_url=database_url,
@@ -71,7 +72,7 @@ def worker(
     live = services(settings, check_database=not check)  # --check reads heartbeats only
     if check:
         host = socket.gethostname()
-        alive = alive_workers(live.broker_url, host, 3 * settings.heartbeat_interval_s)
+        alive = heartbeat.alive(live.broker_url, host, 3 * settings.heartbeat_interval_s)
         err.print(f"{len(alive)} live worker process(es) on {host}")
         raise typer.Exit(0 if alive else 1)
     if not settings.servers:

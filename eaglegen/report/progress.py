@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from core.heartbeat import Heartbeat
 from models.records import DatasetStatus, ServerStatus, Window
 
 
@@ -125,20 +126,20 @@ def mean_completion(datasets: Iterable[DatasetStatus]) -> float | None:
 
 
 def server_rows(
-    servers: Sequence[ServerStatus], beats: Sequence[dict[str, Any]]
+    servers: Sequence[ServerStatus], beats: Sequence[Heartbeat]
 ) -> list[dict[str, Any]]:
     """Per server: in flight and up/down from the live workers' heartbeats, rates and
     errors from Postgres. A server no live worker reports is ``up: None``."""
     seen: dict[str, dict[str, Any]] = {}
     for beat in beats:
-        for name, info in (beat.get("servers") or {}).items():
+        for name, info in beat.servers.items():
             row = seen.setdefault(
                 name, {"in_flight": 0, "limit": 0, "adaptive": False, "up": False, "workers": 0}
             )
-            row["in_flight"] += int(info.get("held", 0))
-            row["limit"] = max(row["limit"], int(info.get("limit", 0)))
-            row["adaptive"] = row["adaptive"] or bool(info.get("adaptive"))
-            row["up"] = row["up"] or bool(info.get("healthy"))
+            row["in_flight"] += info.held
+            row["limit"] = max(row["limit"], info.limit)
+            row["adaptive"] = row["adaptive"] or info.adaptive
+            row["up"] = row["up"] or info.healthy
             row["workers"] += 1
     recent = {s.name: s for s in servers}
     rows = []

@@ -1,6 +1,6 @@
 """The figures of `eaglegen status` as Prometheus metrics, read from Postgres per scrape.
 
-One `eaglegen exporter` serves them for the whole cluster: per-dataset gauges summed over
+One `eaglegen metrics` serves them for the whole cluster: per-dataset gauges summed over
 workers would count each worker's view once. Workers serve their own request metrics.
 """
 

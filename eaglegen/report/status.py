@@ -10,6 +10,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from core.heartbeat import Heartbeat
 from eaglegen.report.progress import (
     Progress,
     dataset_progress,
@@ -37,7 +38,7 @@ def totals(counts: Sequence[DatasetCounts | DatasetStatus]) -> dict[str, int]:
 
 def status_document(
     snapshot: StatusSnapshot,
-    beats: Sequence[dict[str, Any]] | None,
+    beats: Sequence[Heartbeat] | None,
     redis_state: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``eaglegen status --json`` document. ``beats``: the live workers' heartbeats,
@@ -68,7 +69,7 @@ def status_document(
 
 def status_view(
     snapshot: StatusSnapshot,
-    beats: Sequence[dict[str, Any]] | None,
+    beats: Sequence[Heartbeat] | None,
     redis_state: Mapping[str, Any] | None = None,
 ) -> Group:
     """The terminal view: datasets, servers, the window and a line per run."""
@@ -91,7 +92,7 @@ def connections_warning(in_use: int, limit: int) -> str | None:
     return (
         f"Postgres has {in_use} of its {limit} connections in use: each worker process opens "
         "up to EAGLEGEN_DB_POOL_SIZE; lower it, raise max_connections, or put PgBouncer in "
-        'front (README, "Many workers")'
+        'front (docs/reference/worker.md, "Many workers")'
     )
 
 

@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 import redis
 from sqlalchemy.exc import DBAPIError
 
+from core import heartbeat
 from core.broker import Publisher
+from core.heartbeat import Heartbeat
 from core.sampling import complete
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR, special_ids
@@ -30,7 +32,6 @@ from models.records import DatasetSpec, NewJob, RunSpec
 from models.repository import Repository
 from models.states import JobState
 from tests.helpers import InspectRepository
-from worker.commands import alive_workers
 
 T = TypeVar("T")
 
@@ -212,11 +213,11 @@ class Fleet:
 
         wait_for(beating, timeout_s, f"heartbeat of {worker.label}", self.tails)
 
-    def heartbeat(self, worker: WorkerProcess) -> dict[str, Any] | None:
+    def heartbeat(self, worker: WorkerProcess) -> Heartbeat | None:
         """The worker's latest heartbeat record, or None."""
         assert self.settings.broker_url is not None
-        beats = alive_workers(self.settings.broker_url, None, 5.0)
-        return next((b for b in beats if b.get("pid") == worker.pid), None)
+        beats = heartbeat.alive(self.settings.broker_url, None, 5.0)
+        return next((b for b in beats if b.pid == worker.pid), None)
 
     def kill(self, worker: WorkerProcess) -> None:
         """SIGKILL ``worker`` and reap it."""

@@ -3,14 +3,12 @@ pair) against one Redis and one Postgres, the simulator on a third. Mid-run one 
 host's link is cut, later restored: every job still ends done exactly once, and the jobs
 that host held are re-queued by the reconciler of the other.
 
-Needs root and iproute2 (`ip netns`); elsewhere it is skipped, saying so.
+Needs root and iproute2 (`ip netns`): tests/requirements.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from core import heartbeat
 from eaglegen.stack import EmbeddedRedis, free_port
 from models.repository import Repository
 from tests.faults.harness import (
@@ -36,7 +35,6 @@ from tests.faults.harness import (
     wait_for,
     worker_env,
 )
-from worker.commands import alive_workers
 
 SUBNET = "10.231.0"
 HOST_IP = f"{SUBNET}.1"  # the root namespace, on the bridge: Redis and Postgres
@@ -44,21 +42,7 @@ BRIDGE = "egbr0"
 JOBS = 300
 
 
-def _can_make_namespaces() -> str | None:
-    """Why namespaces cannot be made here, or None."""
-    if shutil.which("ip") is None:
-        return "iproute2 (`ip`) is not installed"
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    probe = subprocess.run(["ip", "netns", "add", "eg-probe"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"cannot create a network namespace: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "eg-probe"], check=False)
-    return None
-
-
-_WHY_NOT = _can_make_namespaces()
-pytestmark = [pytest.mark.faults, pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))]
+pytestmark = [pytest.mark.faults, pytest.mark.needs("netns")]
 
 
 def ip(*args: str) -> None:
@@ -229,7 +213,7 @@ def test_a_cut_host_loses_and_duplicates_nothing(
         for name in ("w1", "w2"):
             argv = [sys.executable, "-m", "eaglegen", "worker", server, "--concurrency=8"]
             processes.append(network[name].popen(argv, env, logs / f"{name}.log"))
-        wait_for(lambda: len(alive_workers(broker.url, None, 5.0)) == 2, 90, "two workers",
+        wait_for(lambda: len(heartbeat.alive(broker.url, None, 5.0)) == 2, 90, "two workers",
                  lambda: _tails(logs))  # fmt: skip
         cut = _cut_when_busy(repo, network["w1"], logs)
         wait_for(lambda: _requeued(repo, cut), 60, "the cut host's jobs re-queued",

@@ -3,7 +3,6 @@ scores every slot lease, and one server name means one server in the whole clust
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import sys
@@ -12,10 +11,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from core import heartbeat
 from core.settings import ServerSpec, Settings
 from eaglegen.sim import SimServer
 from tests.integration.test_worker_processes import eaglegen, wait_for, worker_env, worker_process
-from worker.commands import alive_workers
 from worker.names import ServerNames
 from worker.slots import SlotPool
 
@@ -31,7 +30,7 @@ print(sum(t is not None for t in tokens), pool.in_flight("gpu"))
 """
 
 
-@pytest.mark.skipif(shutil.which("faketime") is None, reason="needs Debian's faketime")
+@pytest.mark.needs("faketime")
 @pytest.mark.parametrize("skew", ["+120s", "-120s"])
 def test_a_caller_whose_clock_is_off_by_more_than_a_lease_keeps_every_lease(
     broker_url: str, skew: str
@@ -97,7 +96,7 @@ def test_a_second_worker_naming_another_server_like_the_first_exits_2(
     name = f"gpu-{settings.queue}"
     first = worker_env(settings, [{"name": name, "url": sim.url}])
     with worker_process(first, tmp_path / "first.log"):
-        wait_for(lambda: alive_workers(settings.broker_url or "", None, 60), 60, "a heartbeat")
+        wait_for(lambda: heartbeat.alive(settings.broker_url or "", None, 60), 60, "a heartbeat")
         second = worker_env(settings, [{"name": name, "url": "http://10.0.0.9:30000"}])
         result = eaglegen(second, "worker")
     assert result.returncode == 2, result.stderr

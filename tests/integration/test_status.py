@@ -181,18 +181,14 @@ def scrape(url: str, timeout_s: float = 30.0) -> Samples:
     }
 
 
-def test_the_exporter_serves_the_status_figures(
-    settings: Settings, repo: Repository, tmp_path: Path
-) -> None:
-    with worker(settings):
-        enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(20)), dataset="chat")
-        wait_settled(repo)
-    truth = rows_by_dataset(repo)["chat"]
+def serve_metrics(command: str, database_url: str) -> tuple[Samples, str]:
+    """Start ``eaglegen <command>`` on a free port, scrape it once, stop it: the samples and
+    what it printed; it exits 0 on SIGTERM."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
-    env["EAGLEGEN_DATABASE_URL"] = settings.services().database_url
+    env["EAGLEGEN_DATABASE_URL"] = database_url
     process = subprocess.Popen(
-        [sys.executable, "-m", "eaglegen", "exporter", "--port", str(port)],
+        [sys.executable, "-m", "eaglegen", command, "--port", str(port)],
         env=env, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -200,6 +196,18 @@ def test_the_exporter_serves_the_status_figures(
     finally:
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    return samples, stderr
+
+
+def test_metrics_serves_the_status_figures_and_the_old_name_warns(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    with worker(settings):
+        enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(20)), dataset="chat")
+        wait_settled(repo)
+    truth = rows_by_dataset(repo)["chat"]
+    samples, stderr = serve_metrics("metrics", settings.services().database_url)
     key = (("dataset", "chat"), ("run", "run"))
     done = [r for r in truth if r["state"] == "done"]
     assert samples[("eaglegen_dataset_jobs", (*key, ("state", "done")))] == len(done)
@@ -210,4 +218,9 @@ def test_the_exporter_serves_the_status_figures(
         r["prompt_tokens"] for r in done
     )
     assert samples[("eaglegen_dataset_eta_seconds", key)] == 0  # all done
-    assert process.returncode == 0, stderr
+    assert "warning" not in stderr
+    # `exporter`, the command's old name, serves the same figures and says it was renamed.
+    again, stderr = serve_metrics("exporter", settings.services().database_url)
+    totals = [k for k in samples if k[0].endswith(("_jobs", "_tokens_total"))]
+    assert totals and {k: again[k] for k in totals} == {k: samples[k] for k in totals}
+    assert "`eaglegen exporter` is now `eaglegen metrics`" in stderr

@@ -19,12 +19,12 @@ import pytest
 from sqlalchemy import text
 
 import worker.retry
+from core import heartbeat
 from core.settings import ServerSpec, Settings
 from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from tests.workers import in_thread_worker
-from worker.commands import alive_workers
 from worker.runner import WorkerContext
 
 FAST = SimConfig(seed=4321, decode_step_ms=0.5, decode_ms_per_request=0.01)
@@ -286,10 +286,8 @@ def test_leaked_prompt_tokens_fail_as_an_invalid_response_and_store_nothing(
 def heartbeat_says_down(settings: Settings, server: str) -> bool:
     """Whether this process's worker heartbeat reports ``server`` unhealthy."""
     assert settings.broker_url is not None
-    beats = alive_workers(settings.broker_url, socket.gethostname(), max_age_s=5)
-    return any(
-        b["servers"][server]["healthy"] is False and b["servers"][server]["reason"] for b in beats
-    )
+    beats = heartbeat.alive(settings.broker_url, socket.gethostname(), max_age_s=5)
+    return any(not b.servers[server].healthy and b.servers[server].reason for b in beats)
 
 
 def take_down(server: SimServer, how: str) -> None:

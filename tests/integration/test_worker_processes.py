@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import redis
 from sqlalchemy import text
 
-from core import keys
+from core import heartbeat, keys
 from core.settings import Settings
 from eaglegen.sim import SimConfig, SimServer
 from eaglegen.sim.metrics import parse
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from worker import numa
-from worker.commands import alive_workers
 
 LIMIT = 8
 # ~20 ms decode steps: a 24-token answer holds its request (and its slot) for ~0.5 s.
@@ -95,7 +95,7 @@ def wait_for(
 def live_pids(settings: Settings) -> set[int]:
     """Pids of the workers whose heartbeat is in this test's Redis."""
     assert settings.broker_url is not None
-    return {int(b["pid"]) for b in alive_workers(settings.broker_url, None, max_age_s=5)}
+    return {b.pid for b in heartbeat.alive(settings.broker_url, None, max_age_s=5)}
 
 
 def in_flight(metrics: str) -> int:
@@ -132,6 +132,7 @@ class InFlightSampler:
             self.slot_counts.append(int(self._redis.zcard(self._key)))
 
 
+@pytest.mark.embedded
 def test_two_worker_processes_share_one_in_flight_limit(
     settings: Settings, repo: Repository, tmp_path: Path
 ) -> None:
@@ -200,13 +201,13 @@ def test_numa_node_0_worker_reports_its_node_and_cpus_in_its_heartbeat(
         assert settings.broker_url is not None
         broker = settings.broker_url
         beats = wait_for(
-            lambda: [b for b in alive_workers(broker, None, 5) if b["pid"] == process.pid],
+            lambda: [b for b in heartbeat.alive(broker, None, 5) if b.pid == process.pid],
             what="heartbeat",
             log=log,
         )
-    assert beats[0]["numa_node"] == 0
-    assert beats[0]["cpus"] == expected and expected
-    assert beats[0]["membind"] in {"preferred", "unavailable", "failed"}
+    assert beats[0].numa_node == 0
+    assert beats[0].cpus == expected and expected
+    assert beats[0].membind in {"preferred", "unavailable", "failed"}
 
 
 def test_a_numa_node_that_does_not_exist_exits_2_naming_the_available_nodes(
@@ -220,4 +221,4 @@ def test_a_numa_node_that_does_not_exist_exits_2_naming_the_available_nodes(
     message = " ".join(result.stderr.split())
     assert f"NUMA node 7 does not exist; available: {available}" in message
     assert settings.broker_url is not None
-    assert alive_workers(settings.broker_url, None, 60) == []
+    assert heartbeat.alive(settings.broker_url, None, 60) == []

@@ -94,7 +94,7 @@ def test_a_wrong_flag_would_be_caught() -> None:
     with pytest.raises(UsageError):
         parse(["db", "upgrad"])
     with pytest.raises(UsageError):
-        parse(["exporter", "--port", "0"])
+        parse(["metrics", "--port", "0"])
 
 
 def test_every_eaglegen_variable_is_a_setting_or_a_flags() -> None:

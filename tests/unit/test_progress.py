@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from core.heartbeat import Heartbeat, ServerBeat
 from eaglegen.report.progress import (
     dataset_progress,
     format_eta,
@@ -103,11 +104,19 @@ def test_the_run_eta_is_all_tokens_left_over_the_whole_rate() -> None:
 
 
 def test_servers_merge_heartbeats_and_recent_figures() -> None:
+    def beat(pid: int, servers: dict[str, tuple[bool, int, int]]) -> Heartbeat:
+        return Heartbeat(
+            worker=f"w{pid}", nodename=f"w{pid}@h", host="h", pid=pid, ts=0.0, in_flight=0,
+            threads=64, consuming=True, db_pool=8,
+            servers={name: ServerBeat(healthy=up, reason=None if up else "down", held=held,
+                                      limit=limit, adaptive=False, model="m")
+                     for name, (up, held, limit) in servers.items()},
+        )  # fmt: skip
+
     beats = [
-        {"servers": {"gpu-a": {"healthy": True, "held": 3, "limit": 64}}},
-        {"servers": {"gpu-a": {"healthy": False, "held": 2, "limit": 64},
-                     "gpu-b": {"healthy": False, "held": 0, "limit": 32}}},
-    ]  # fmt: skip
+        beat(1, {"gpu-a": (True, 3, 64)}),
+        beat(2, {"gpu-a": (False, 2, 64), "gpu-b": (False, 0, 32)}),
+    ]
     recent = [ServerStatus("gpu-a", (Window(60, 6, 6000, 0),), {"timeout": 2}),
               ServerStatus("gpu-c", (Window(60, 0, 0, 0),), {"connection": 1})]  # fmt: skip
     rows = {r["name"]: r for r in server_rows(recent, beats)}
