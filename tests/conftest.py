@@ -21,6 +21,7 @@ from core.urls import normalize_database_url
 from eaglegen.stack import EmbeddedPostgres, EmbeddedRedis
 from models.db import make_engine
 from models.repository import Repository
+from tests import requirements
 from tests.helpers import InspectRepository, libpq_url
 
 if TYPE_CHECKING:
@@ -31,6 +32,27 @@ for _name in [n for n in os.environ if n.startswith("EAGLEGEN_") and "_TEST_" no
     del os.environ[_name]
 
 _counter = itertools.count()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the marker (unknown marks are warnings, and warnings are errors)."""
+    config.addinivalue_line(
+        "markers",
+        f"needs(*what): machine requirements ({', '.join(requirements.CHECKS)}); skipped "
+        f"without them, failed instead when {requirements.REQUIRE_ALL_ENV} is set",
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip (or, when every tier is required, fail) a test whose machine lacks what it needs."""
+    for mark in item.iter_markers("needs"):
+        for requirement in mark.args:
+            why = requirements.why_not(requirement)
+            if why is None:
+                continue
+            if requirements.required():
+                pytest.fail(f"{requirements.REQUIRE_ALL_ENV} is set and this test {why}")
+            pytest.skip(why)
 
 
 def _with_database(url: str, name: str) -> str:

@@ -57,6 +57,7 @@ def quick_enqueue(path: Path, settings: Settings) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.embedded
 def test_enqueue_then_status_report_json(settings: Settings, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "chat.jsonl", [*sample_rows(20), "{oops"])
     env = service_env(settings)

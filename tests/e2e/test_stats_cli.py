@@ -67,6 +67,14 @@ def test_stats_writes_json_html_and_plots_and_the_page_renders(
     embedded = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert {base64.b64decode(e) for e in embedded} == {p.read_bytes() for p in plots.iterdir()}
 
+
+@pytest.mark.needs("browser")
+def test_the_html_report_renders_in_chromium_with_names_as_text(
+    settings: Settings, edges: dict[str, list[int]], tmp_path: Path
+) -> None:
+    html = tmp_path / "report.html"
+    done = eaglegen("stats", "--html", str(html), env=service_env(settings))
+    assert done.returncode == 0, done.stderr
     with chromium() as browser:
         browser.get(html.as_uri())
         text = browser.find_element(By.TAG_NAME, "body").text

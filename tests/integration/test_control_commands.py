@@ -11,12 +11,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import psycopg
+import pytest
 
 from core.settings import Settings
 from tests.helpers import enqueue_file, libpq_url, sample_rows, write_jsonl
-from tests.integration.test_worker_processes import eaglegen, worker_env
+from tests.integration.test_worker_processes import worker_env
 
 
 def _libpq(settings: Settings) -> str:
@@ -43,6 +45,37 @@ def _waiting_sessions(settings: Settings) -> int:
     return int(row[0]) if row else 0
 
 
+def run_until_it_retries(
+    env: dict[str, str], holder: psycopg.Connection, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """Run `eaglegen ARGS` while ``holder`` holds the rows; release them once the command has
+    said it is retrying (its first lock wait ran out), however long it took to get there."""
+    command = [sys.executable, "-m", "eaglegen", *args]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None and process.stderr is not None
+    lines: list[str] = []
+    retrying = threading.Event()
+
+    def read(stream: IO[str]) -> None:
+        for line in stream:
+            lines.append(line)
+            if "retrying" in line:
+                retrying.set()
+
+    reader = threading.Thread(target=read, args=(process.stderr,))
+    reader.start()
+    try:
+        assert retrying.wait(120), "the command never said it was retrying"
+    finally:
+        holder.rollback()
+        stdout = process.stdout.read()
+        process.wait(timeout=120)
+        reader.join()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, "".join(lines))
+
+
 def test_an_interrupted_budget_set_leaves_no_session_waiting(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -66,17 +99,14 @@ def test_an_interrupted_budget_set_leaves_no_session_waiting(
             time.sleep(0.1)
 
 
+@pytest.mark.embedded
 def test_budget_set_gets_a_lock_held_for_a_while_by_retrying(
     settings: Settings, tmp_path: Path
 ) -> None:
     enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(3)))
     env = worker_env(settings, [])
     with ledger_row_locked(settings) as holder:
-        # Released after 5 s: longer than one lock wait, well within the retries.
-        release = threading.Timer(5.0, holder.rollback)
-        release.start()
-        result = eaglegen(env, "budget", "set", "d", "10M")
-        release.join()
+        result = run_until_it_retries(env, holder, "budget", "set", "d", "10M")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stderr.split())
     assert "dataset 'd' is busy; retrying for up to 30 s" in text
@@ -95,10 +125,7 @@ def test_reconcile_waits_out_a_held_ledger_row_by_retrying(
         )
     env = worker_env(settings, [])
     with ledger_row_locked(settings) as holder:
-        release = threading.Timer(5.0, holder.rollback)
-        release.start()
-        result = eaglegen(env, "reconcile", "--json")
-        release.join()
+        result = run_until_it_retries(env, holder, "reconcile", "--json")
     assert result.returncode == 0, result.stderr
     assert "a job or dataset row is busy; retrying" in " ".join(result.stderr.split())
     assert json.loads(result.stdout)["expired_leases"] == 1

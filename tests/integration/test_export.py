@@ -81,6 +81,7 @@ def assert_rows_are_the_database(repo: InspectRepository, rows: list[dict[str, A
         assert row["think_end_present"] == gen["think_end_present"]
 
 
+@pytest.mark.embedded
 def test_the_tokens_export_is_the_database_exactly_and_loads_with_datasets(
     settings: Settings, repo: InspectRepository, tmp_path: Path
 ) -> None:

@@ -124,6 +124,7 @@ def test_a_job_sent_back_returns_through_the_order_after_its_backoff(
     assert queued_ids(client, settings.queue) == [job]  # then it is first again
 
 
+@pytest.mark.embedded
 def test_a_spent_budget_is_never_published_and_a_raise_publishes_it(
     settings: Settings, repo: InspectRepository, client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -195,6 +195,7 @@ def job_of(args: str) -> int:
     return int(match.group(1))
 
 
+@pytest.mark.needs("browser")
 def test_the_tasks_page_shows_dataset_and_outcome_in_chromium(
     fast: Settings, repo: InspectRepository, tmp_path: Path, faults: Callable[..., None]
 ) -> None:

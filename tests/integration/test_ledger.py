@@ -151,6 +151,7 @@ def test_expired_lease_on_the_last_attempt_fails_the_job(repo: Repository) -> No
     assert job is not None and job["state"] == "failed"
 
 
+@pytest.mark.embedded
 def test_many_workers_racing_on_a_small_budget(repo: Repository) -> None:
     budget, max_new = 2_000, 100
     dataset_id, ids = dataset(repo, 200, budget=budget, max_new=max_new)

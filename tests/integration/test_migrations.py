@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -16,6 +17,7 @@ from models.schema import Base
 from tests.helpers import InspectRepository
 
 
+@pytest.mark.embedded
 def test_migrated_database_matches_models(database_url: str) -> None:
     engine = create_engine(database_url)
     with engine.connect() as conn:

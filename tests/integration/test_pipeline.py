@@ -31,6 +31,7 @@ def running_worker(settings: Settings) -> Iterator[None]:
         yield
 
 
+@pytest.mark.embedded
 def test_every_job_is_done_once_with_the_servers_exact_output(
     settings: Settings, repo: Repository, sim: SimServer, running_worker: None, tmp_path: Path
 ) -> None:

@@ -47,6 +47,7 @@ def feed(repo: Repository, url: str, queue: str, window: int = 10_000) -> int:
         return Feeder(repo, client, publisher, window=window).feed().published
 
 
+@pytest.mark.embedded
 def test_reconciler_republishes_what_redis_lost(
     settings: Settings, repo: Repository, client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -45,6 +45,7 @@ def generation(n: int = 3) -> GenerationRecord:
     )
 
 
+@pytest.mark.embedded
 def test_claim_is_won_exactly_once_under_concurrent_claimers(repo: Repository) -> None:
     _, ids = make_dataset(repo, 200)
     wins: Counter[int] = Counter()
