@@ -74,7 +74,8 @@ class Publisher:
             connection.read_response()
 
         try:
-            # A push repeated after a lost reply only duplicates messages: hints (DESIGN §2).
+            # A push repeated after a lost reply only duplicates messages, which are hints
+            # (docs/design.md §2).
             connection.retry.call_with_retry(send, lambda _error: connection.disconnect())
         except BaseException:
             connection.disconnect()  # part of the command may be on the wire: start afresh

@@ -2,7 +2,7 @@
 
 The producer completes and validates a run's sampling params against this table and stores
 them with the dataset; the worker sends exactly what was stored, after checking it against
-the same table (SGLang raises on an unknown key, DESIGN §5).
+the same table (SGLang raises on an unknown key, docs/design.md §5).
 
 A key with a default is always sent, so the server's own defaults (which SGLang takes from
 the model's generation config) never decide a run. A key without one is sent only when the

@@ -77,7 +77,8 @@ class Settings(BaseSettings):
     worker_concurrency: int = Field(default=64, ge=1, le=4096)
     # Postgres connections one worker process opens at most, whatever its concurrency: its
     # transactions take milliseconds, so threads wait for one instead of each holding one
-    # (workers x this must stay below the server's max_connections; README, "PgBouncer").
+    # (workers x this must stay below the server's max_connections; docs/reference/worker.md,
+    # "Many workers").
     db_pool_size: int = Field(default=8, ge=1, le=256)
     max_attempts: int = Field(default=5, ge=1)
     request_timeout_s: float = Field(default=3600.0, gt=0)
@@ -88,7 +89,7 @@ class Settings(BaseSettings):
     # Ask for streamed answers, so that a request that stops making progress fails after
     # stall_timeout_s of silence. None: from servers whose /get_server_info says they stream
     # incrementally (each chunk only its new ids: linear cost; SGLang's default repeats every
-    # id so far in each chunk). README, "Streaming".
+    # id so far in each chunk). docs/reference/worker.md, "Streaming".
     stream: bool | None = None
     # A /generate body larger than this fails the attempt unread: far above any legal
     # answer (the ids and text of a whole context window).

@@ -2,10 +2,10 @@
 
 A message is ``generate(job_id=N)``: Celery's task-message protocol 2, JSON-serialized, in
 the envelope kombu's Redis transport LPUSHes onto the queue list. It is a hint, never the
-truth (DESIGN §2): Postgres decides whether the job runs.
+truth (docs/design.md §2): Postgres decides whether the job runs.
 
-Every path that publishes (the producer, retries and deferrals, the release at shutdown,
-the reconciler, a raised budget) goes through ``envelope``/``EnvelopeFactory``, and every
+Every path that publishes (the feeder, and a worker sending back a message whose job it
+never claimed: ``Publisher.publish_later``) goes through ``envelope``/``EnvelopeFactory``; every
 path that reads the queue list back goes through ``job_id_of``. Tests pin both directions
 to Celery's own ``send_task`` and kombu's own decoding.
 

@@ -39,7 +39,7 @@ RETURNING jobs.id, jobs.dataset_id, jobs.input_ids, jobs.prompt_tokens, jobs.att
           runs.model_name, runs.tokenizer_path
 """
 
-# The ledger rule of DESIGN §4, one conditional UPDATE of the dataset per branch (see
+# The ledger rule of docs/design.md §4, one conditional UPDATE of the dataset per branch (see
 # `claim`), which also counts the job as running; only when it reserved does the job
 # record what it holds, in the same statement.
 _RESERVE = f"""

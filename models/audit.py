@@ -14,7 +14,7 @@ DONE, RUNNING = JobState.DONE.value, JobState.RUNNING.value
 
 
 class AuditQueries:
-    """Mixin of the Repository: the invariants of DESIGN §2 and §4."""
+    """Mixin of the Repository: the invariants of docs/design.md §2 and §4."""
 
     engine: Engine
 

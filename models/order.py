@@ -1,4 +1,4 @@
-"""The order jobs are published in: seeded and random within a dataset (DESIGN §7).
+"""The order jobs are published in: seeded and random within a dataset (docs/design.md §7).
 
 A job's sort key is a hash of the run's order seed and the job's prompt digest, so the
 order is a random permutation that has nothing to do with the file's: any prefix of it,

@@ -1,4 +1,4 @@
-"""The tables of DESIGN §4. Changes go through an Alembic migration too."""
+"""The tables of docs/design.md §4. Changes go through an Alembic migration too."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ class Run(Base):
     chat_template_kwargs: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
     max_context_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
     package_versions: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
-    # Set when the generation prompt ends with the think-start token: the model must then
-    # emit this think-end token before its answer.
+    # The tokenizer's think-end token, when it has a think-start/think-end pair: a job whose
+    # prompt opens a reasoning block (jobs.opens_reasoning) must emit it before its answer.
     think_end_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # len(tokenizer): every output id a worker stores is in [0, vocab_size).
     vocab_size: Mapped[int | None] = mapped_column(Integer, nullable=True)

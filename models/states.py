@@ -1,4 +1,4 @@
-"""Job states (DESIGN §4)."""
+"""Job states (docs/design.md §4)."""
 
 from __future__ import annotations
 

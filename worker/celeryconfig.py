@@ -1,4 +1,4 @@
-"""The worker's Celery app configuration (DESIGN §7)."""
+"""The worker's Celery app configuration (docs/design.md §7)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ VISIBILITY_TIMEOUT_S = 12 * 3600
 
 
 def celery_config(settings: Settings, broker_url: str) -> dict[str, Any]:
-    """The Celery settings of DESIGN §7: JSON only, late acks, one message prefetched."""
+    """The Celery settings of docs/design.md §7: JSON only, late acks, one message prefetched."""
     return {
         "broker_url": password_in_userinfo(broker_url),  # the one form kombu reads
         "broker_connection_retry_on_startup": True,

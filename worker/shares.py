@@ -40,7 +40,7 @@ def share_of(d: FeedDataset) -> Share:
     room = d.budget_tokens - d.used_tokens - d.reserved_tokens
     # Publish no more than the room left can run: the rest would be taken, deferred and
     # sent back (retries in Flower). With nothing held, one runs even if larger than the
-    # room (the ledger's rule, DESIGN §4).
+    # room (the ledger's rule, docs/design.md §4).
     fits = 0 if room <= 0 else max(1, math.ceil(room / cost))
     return Share(d.dataset_id, taken, total, cost, max(0, min(d.ready, fits - d.published)))
 

@@ -1,4 +1,4 @@
-"""Checks every SGLang response before it may be stored (DESIGN §5). Pure, no I/O.
+"""Checks every SGLang response before it may be stored (docs/design.md §5). Pure, no I/O.
 
 Nothing a server sends is trusted: a body that breaks any check is a failed attempt with
 the reason, never data.

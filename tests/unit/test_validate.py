@@ -1,4 +1,4 @@
-"""The response checks of DESIGN §5: a violation is an error, never stored data."""
+"""The response checks of docs/design.md §5: a violation is an error, never stored data."""
 
 from __future__ import annotations
 
