@@ -51,10 +51,6 @@ def run_until_it_retries(
     """Run `eaglegen ARGS` while ``holder`` holds the rows; release them once the command has
     said it is retrying (its first lock wait ran out), however long it took to get there."""
     command = [sys.executable, "-m", "eaglegen", *args]
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    assert process.stdout is not None and process.stderr is not None
     lines: list[str] = []
     retrying = threading.Event()
 
@@ -64,15 +60,19 @@ def run_until_it_retries(
             if "retrying" in line:
                 retrying.set()
 
-    reader = threading.Thread(target=read, args=(process.stderr,))
-    reader.start()
-    try:
-        assert retrying.wait(120), "the command never said it was retrying"
-    finally:
-        holder.rollback()
-        stdout = process.stdout.read()
-        process.wait(timeout=120)
-        reader.join()
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:  # closes both pipes at exit
+        assert process.stdout is not None and process.stderr is not None
+        reader = threading.Thread(target=read, args=(process.stderr,))
+        reader.start()
+        try:
+            assert retrying.wait(120), "the command never said it was retrying"
+        finally:
+            holder.rollback()
+            stdout = process.stdout.read()
+            process.wait(timeout=120)
+            reader.join()
     return subprocess.CompletedProcess(command, process.returncode, stdout, "".join(lines))
 
 
