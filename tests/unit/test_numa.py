@@ -334,7 +334,8 @@ PIN_REAL_NODE_0 = """
     policy = process_policy()
     print(json.dumps({
         "expected": sorted(expected), "after": sorted(os.sched_getaffinity(0)),
-        "result": {"cpus": result.cpus, "membind": str(result.membind)}, "cpus": format_cpulist(expected), "policy": policy,
+        "result": {"cpus": result.cpus, "membind": str(result.membind)},
+        "cpus": format_cpulist(expected), "policy": policy,
     }))
 """
 
