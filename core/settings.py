@@ -124,6 +124,9 @@ class Settings(BaseSettings):
     retry_base_s: float = Field(default=1.0, ge=0)
     retry_cap_s: float = Field(default=60.0, ge=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # A condition that lasts (Postgres or Redis out of reach, a server down, a side loop
+    # failing) is logged when it starts and when it ends, and reminded of at most this often.
+    log_reminder_s: float = Field(default=60.0, gt=0)
     # A worker serves its Prometheus metrics on this port (plus its NUMA node's id when
     # pinned, so that the processes of one host differ); None: not served.
     metrics_port: int | None = Field(default=None, ge=1, le=65535)

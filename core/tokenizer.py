@@ -13,6 +13,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+# The files a tokenizer is made of (by name prefix or suffix): a folder with none of them
+# is not a tokenizer folder.
+_TOKENIZER_PREFIXES = ("tokenizer", "tokenization", "vocab", "merges", "special_tokens_map")
+_TOKENIZER_SUFFIXES = (".tiktoken", ".model")
+
 
 def load_tokenizer(path: Path | str, *, trust_remote_code: bool = False) -> Any:
     """The tokenizer saved at ``path``; ValueError with what to do when it does not load."""
@@ -24,16 +29,44 @@ def load_tokenizer(path: Path | str, *, trust_remote_code: bool = False) -> Any:
         return AutoTokenizer.from_pretrained(
             str(path), trust_remote_code=trust_remote_code, local_files_only=True
         )
-    except ValueError as exc:
-        if trust_remote_code or "trust_remote_code" not in str(exc):
-            raise ValueError(f"{path}: the tokenizer does not load ({exc})") from exc
-        raise ValueError(
-            f"{path}: this tokenizer loads with its own Python code (its tokenization_*.py); "
-            "if you trust it, pass --trust-remote-code (in a run file: trust_remote_code = "
-            "true)"
-        ) from exc
-    except OSError as exc:
-        raise ValueError(f"{path}: the tokenizer does not load ({exc})") from exc
+    except (OSError, ValueError) as exc:
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise ValueError(
+                f"{path}: this tokenizer loads with its own Python code (its "
+                "tokenization_*.py); if you trust it, pass --trust-remote-code (in a run "
+                "file: trust_remote_code = true)"
+            ) from exc
+        # transformers' words name the Hub, a connection, a repo id's form: a misspelt
+        # folder deserves ours.
+        raise ValueError(not_found(path) or f"{path}: the tokenizer does not load ({exc})") from exc
+
+
+def not_found(path: Path | str) -> str | None:
+    """Why ``path`` holds no tokenizer, in one line; None when it is a folder of tokenizer
+    files (which may still fail to load, for reasons of their own)."""
+    folder = Path(path)
+    if folder.is_dir():
+        if any(
+            (f.name.startswith(_TOKENIZER_PREFIXES) or f.suffix in _TOKENIZER_SUFFIXES)
+            and f.is_file()
+            for f in folder.iterdir()
+        ):
+            return None
+        return (
+            f"tokenizer {str(path)!r} not found: the folder holds no tokenizer files "
+            "(tokenizer_config.json, tokenizer.json, ...); give the folder of the model's "
+            "tokenizer"
+        )
+    if folder.exists():
+        return (
+            f"tokenizer {str(path)!r} not found: it is a file; give the folder that holds "
+            "the model's tokenizer files"
+        )
+    return (
+        f"tokenizer {str(path)!r} not found: not a folder with tokenizer files, nor a model "
+        "in this machine's Hugging Face cache (eaglegen never downloads one): check the "
+        "name, or download the model's tokenizer and give its folder"
+    )
 
 
 def exact_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:

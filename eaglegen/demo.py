@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -116,7 +117,9 @@ def run_demo(settings: Settings, options: DemoOptions) -> dict[str, Any]:
             for child in children:
                 child.stop()
             engine.dispose()
-    return _summary(settings, live, run, counts, jobs, elapsed)
+    # The database the demo started itself is stopped by now: its URL would lead nowhere.
+    database = redact(live.database_url) if settings.database_url is not None else None
+    return _summary(settings, database, run, counts, jobs, elapsed)
 
 
 def _wait(
@@ -142,7 +145,7 @@ def _wait(
 
 def _summary(
     settings: Settings,
-    live: Services,
+    database: str | None,
     run: str,
     counts: Any,
     jobs: dict[str, int],
@@ -151,11 +154,18 @@ def _summary(
     prompt = sum(c.prompt_tokens for c in counts)
     completion = sum(c.completion_tokens for c in counts)
     rate = completion / elapsed if elapsed > 0 else 0.0
-    database = redact(live.database_url)
+    if database is not None:
+        where = f"run {run!r} in {database} (data dir {settings.data_dir})"
+    else:
+        again = f"eaglegen up --data-dir {shlex.quote(str(settings.data_dir))}"
+        where = (
+            f"run {run!r} kept in {settings.data_dir}, its embedded services stopped "
+            f"(`{again}` serves it again)"
+        )
     line = (
         f"demo: {jobs['done']}/{jobs['total']} jobs done, {jobs['failed']} failed; "
         f"{prompt:,} prompt + {completion:,} completion tokens in {elapsed:.1f} s "
-        f"({rate:,.0f} tok/s); run {run!r} in {database} (data dir {settings.data_dir})"
+        f"({rate:,.0f} tok/s); {where}"
     )
     return {
         "run": run,

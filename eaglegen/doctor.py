@@ -12,7 +12,7 @@ SGLang versions), metrics on, and the run's model served.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -26,6 +26,10 @@ from worker.validate import Request, check_response
 # this many in common is chance.
 LEAK_MIN_TOKENS = 4
 PARSERS = ("reasoning_parser", "tool_call_parser")
+# The probe's answer length by default: a reasoning model thinks for thousands of tokens even
+# about 17 + 25, and an answer cut before its think-end token cannot show whether the server
+# keeps that token. Lowered to what the server's context leaves (`examine`).
+PROBE_MAX_NEW_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class Probe:
     model: RunModel | None = None
     think_end_id: int | None = None  # set when the probe prompt opens a reasoning block
     vocab_size: int | None = None
-    max_new_tokens: int = 1024
+    max_new_tokens: int = PROBE_MAX_NEW_TOKENS
 
 
 @dataclass
@@ -87,7 +91,7 @@ def examine(url: str, probe: Probe, timeout_s: float = 600.0) -> DoctorReport:
         report.checks.append(Check("reachable", True, f"{url} answers /health"))
         report.checks.append(_model_check(client, probe.model))
         report.checks += _server_info(client, report.facts)
-        report.checks += _generation_checks(client, probe)
+        report.checks += _generation_checks(client, _within_context(probe, report.facts))
         report.checks.append(_metrics_check(client))
     return report
 
@@ -134,6 +138,16 @@ def _server_info(client: httpx.Client, facts: dict[str, Any]) -> list[Check]:
         for parser in PARSERS
         if info.get(parser)
     ]
+
+
+def _within_context(probe: Probe, facts: dict[str, Any]) -> Probe:
+    """The probe with its answer length cut to what the server's context leaves (SGLang
+    refuses a prompt plus max_new_tokens that reaches its context length)."""
+    context = facts.get("context_length")
+    if not isinstance(context, int):
+        return probe
+    room = context - len(probe.input_ids) - 1
+    return replace(probe, max_new_tokens=room) if 0 < room < probe.max_new_tokens else probe
 
 
 def _generation_checks(client: httpx.Client, probe: Probe) -> list[Check]:

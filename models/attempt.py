@@ -18,7 +18,15 @@ from sqlalchemy import Engine
 
 from models.counters import moved_sql, recorded_sql
 from models.db import driver_cursor
-from models.ledger import BudgetBasis, settled, worst_case
+from models.ledger import (
+    OBSERVED_SAMPLE,
+    BudgetBasis,
+    ReservePolicy,
+    estimate_due,
+    observed_completion,
+    reservation,
+    settled,
+)
 from models.records import Claim, ClaimedJob, GenerationRecord
 from models.states import JobState
 from models.tokens import pack, unpack
@@ -35,6 +43,7 @@ WHERE jobs.id = %(job)s AND jobs.state = 'queued'
   AND datasets.id = jobs.dataset_id AND runs.id = datasets.run_id
 RETURNING jobs.id, jobs.dataset_id, jobs.input_ids, jobs.prompt_tokens, jobs.attempts,
           jobs.opens_reasoning, datasets.sampling_params, datasets.budget_basis,
+          datasets.reserve, datasets.observed_reserve_tokens,
           datasets.name AS dataset, runs.name AS run, runs.think_end_id, runs.vocab_size,
           runs.model_name, runs.tokenizer_path
 """
@@ -53,7 +62,7 @@ UPDATE jobs SET reserved_tokens = %(need)s FROM reserved
 WHERE jobs.id = %(job)s
 RETURNING jobs.id
 """
-# The worst case fits next to what is settled and held (or there is no budget).
+# The reservation fits next to what is settled and held (or there is no budget).
 _RESERVE_IF_FITS = _RESERVE.format(
     condition="(budget_tokens IS NULL OR used_tokens + reserved_tokens + %(need)s <= budget_tokens)"
 )
@@ -85,7 +94,9 @@ FROM (SELECT id, reserved_tokens FROM jobs
       FOR UPDATE) AS held,
      datasets
 WHERE jobs.id = held.id AND datasets.id = jobs.dataset_id
-RETURNING jobs.dataset_id, held.reserved_tokens, datasets.budget_basis
+RETURNING jobs.dataset_id, held.reserved_tokens, datasets.budget_basis, datasets.reserve,
+          datasets.budget_tokens, datasets.jobs_done,
+          (datasets.sampling_params ->> 'max_new_tokens')::integer AS max_new_tokens
 """
 _INSERT_GENERATION = """
 INSERT INTO generations (job_id, dataset_id, output_ids, finish_type, finish_matched,
@@ -101,9 +112,26 @@ RETURNING job_id
 _SETTLE_DONE = f"""
 UPDATE datasets SET used_tokens = used_tokens + %(used)s,
        reserved_tokens = reserved_tokens - %(reserved)s,
-       {moved_sql(RUNNING, JobState.DONE)}, {recorded_sql("prompt", "completion")}
+       {moved_sql(RUNNING, JobState.DONE)}, {recorded_sql("prompt", "completion")}{{estimate}}
 WHERE id = %(dataset)s
 """
+_SETTLE = _SETTLE_DONE.format(estimate="")
+# Every OBSERVED_REFRESH_EVERY done jobs, the same statement also stores the dataset's new
+# estimate: the hot row is written by one statement either way.
+_SETTLE_ESTIMATED = _SETTLE_DONE.format(estimate=", observed_reserve_tokens = %(estimate)s")
+# The dataset's latest completion lengths, for its estimate. The inner scan reads the
+# newest generations by the time index and stops after OBSERVED_SAMPLE of this dataset, or
+# after `scan` generations of any: its cost stays bounded when other datasets record far
+# more (generations has no index on dataset_id, and the record adds none).
+_RECENT_COMPLETIONS = """
+SELECT completion_tokens FROM (
+    SELECT dataset_id, completion_tokens FROM generations ORDER BY created_at DESC LIMIT %(scan)s
+) AS recent
+WHERE dataset_id = %(dataset)s
+LIMIT %(sample)s
+"""
+# The newest generations the estimate looks through (of every dataset).
+_ESTIMATE_SCAN = 10 * OBSERVED_SAMPLE
 
 
 class Rollback(Exception):
@@ -115,13 +143,15 @@ class Rollback(Exception):
 
 
 def claim(engine: Engine, job_id: int, worker: str, lease_seconds: int) -> Claim:
-    """Win a queued job for ``worker`` and reserve its worst case in the budget ledger.
+    """Win a queued job for ``worker`` and hold its reservation in the budget ledger.
 
-    A job runs when its worst case fits next to what is settled and held. When it does not
-    fit but nothing is held, it runs anyway while settled usage is below the budget (else a
-    job larger than the remainder would wait forever), so the final overshoot is below one
-    job's reservation. Otherwise it is deferred while reservations are held, and skipped
-    once settled usage reached the budget.
+    A job reserves its worst case, or under the dataset's "observed" policy the estimate
+    stored on the dataset when it is smaller (models.ledger.reservation). It runs when that
+    fits next to what is settled and held. When it does not fit but nothing is held, it
+    runs anyway while settled usage is below the budget (else a job larger than the
+    remainder would wait forever). Otherwise it is deferred while reservations are held,
+    and skipped once settled usage reached the budget. The overshoot this allows is
+    docs/design.md §4's bound (models.ledger.overshoot_bound).
     """
     try:
         with engine.begin() as conn, driver_cursor(conn) as cursor:
@@ -137,7 +167,10 @@ def _claim(cursor: Cursor[Any], job_id: int, worker: str, lease_seconds: int) ->
         raise Rollback("not_queued")
     params = dict(job.sampling_params or {})
     max_new = int(params.get("max_new_tokens", 0))
-    need = worst_case(job.prompt_tokens, max_new, BudgetBasis(job.budget_basis))
+    # The estimate was read with the dataset row, unlocked: one refreshed meanwhile only
+    # changes what this job holds, which the job records and its settle gives back exactly.
+    observed = job.observed_reserve_tokens if job.reserve == ReservePolicy.OBSERVED else None
+    need = reservation(job.prompt_tokens, max_new, BudgetBasis(job.budget_basis), observed)
     # The dataset row is every worker's hot spot: touch it only with the last statement
     # before COMMIT, and only in single conditional UPDATEs (never a lock held across round
     # trips). Each branch of the ledger rule is one atomic predicate, or a fact that only
@@ -186,11 +219,32 @@ def record(engine: Engine, job_id: int, worker: str, gen: GenerationRecord) -> b
                 "reserved": job.reserved_tokens,
                 "prompt": gen.prompt_tokens,
                 "completion": gen.completion_tokens,
+                "estimate": _estimate(cursor, job),
             }
-            cursor.execute(_SETTLE_DONE, settle)  # the hot dataset row last, as in the claim
+            statement = _SETTLE if settle["estimate"] is None else _SETTLE_ESTIMATED
+            cursor.execute(statement, settle)  # the hot dataset row last, as in the claim
     except Rollback:
         return False
     return True
+
+
+def _estimate(cursor: Cursor[Any], job: Any) -> int | None:
+    """The dataset's new observed estimate when this record is due to refresh it, else None.
+
+    Due by the count of done jobs read with the dataset row, unlocked: two records racing
+    may both refresh, or both pass a due count; either way the next due count refreshes it.
+    Only a budgeted dataset under "observed" reads its lengths: the others reserve nothing
+    that matters, or the worst case.
+    """
+    if job.reserve != ReservePolicy.OBSERVED or job.budget_tokens is None:
+        return None
+    if not estimate_due(job.jobs_done + 1) or job.max_new_tokens is None:
+        return None
+    lengths = cursor.execute(
+        _RECENT_COMPLETIONS,
+        {"dataset": job.dataset_id, "scan": _ESTIMATE_SCAN, "sample": OBSERVED_SAMPLE},
+    ).fetchall()
+    return observed_completion([row[0] for row in lengths], int(job.max_new_tokens))
 
 
 def _one(cursor: Cursor[Any], sql: str, params: dict[str, Any]) -> bool:

@@ -7,6 +7,7 @@ from datetime import timedelta
 from sqlalchemy import Connection, Engine, and_, case, func, select, text
 
 from models.counters import state_column
+from models.db import snapshot
 from models.schema import Dataset, Generation, Job, Run
 from models.states import JobState
 
@@ -19,8 +20,13 @@ class AuditQueries:
     engine: Engine
 
     def audit(self, lease_grace_s: float) -> list[str]:
-        """Every violated invariant, one sentence each; empty when all hold."""
-        with self.engine.connect() as conn:
+        """Every violated invariant, one sentence each; empty when all hold.
+
+        Every check reads one snapshot (a REPEATABLE READ, read-only transaction): the
+        checks compare figures read by separate statements (the jobs counted, then the
+        datasets' counters), and on a live run transitions commit between statements.
+        """
+        with snapshot(self.engine) as conn:
             problems: list[str] = []
             missing = conn.scalar(
                 select(func.count())

@@ -13,7 +13,7 @@ from alembic.config import Config
 from psycopg import errors as pg_errors
 from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection, Engine, create_engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from core.urls import normalize_database_url
 
@@ -76,9 +76,37 @@ def driver_cursor(conn: Connection) -> Iterator[psycopg.Cursor[Any]]:
         raise DBAPIError.instance(None, None, exc, psycopg.Error) from exc
 
 
+@contextmanager
+def snapshot(engine: Engine) -> Iterator[Connection]:
+    """A connection whose statements all read one snapshot of the database and write
+    nothing (a REPEATABLE READ, read-only transaction, rolled back at the end): for reports
+    that compare what separate statements read while workers commit transitions."""
+    with (
+        engine.connect().execution_options(
+            isolation_level="REPEATABLE READ", postgresql_readonly=True
+        ) as conn,
+        conn.begin() as transaction,
+    ):
+        yield conn
+        transaction.rollback()
+
+
 def is_lock_timeout(error: BaseException) -> bool:
     """Whether a statement failed because it waited longer than lock_timeout for a lock."""
     return isinstance(error, DBAPIError) and isinstance(error.orig, pg_errors.LockNotAvailable)
+
+
+def lost_database(error: BaseException) -> str | None:
+    """Why Postgres could not be used, when ``error`` says it is gone (down, restarting,
+    unreachable, or the server ended the session): the driver's first line. None for any
+    other error (a lock wait that timed out included)."""
+    if not isinstance(
+        error, OperationalError | InterfaceError | psycopg.OperationalError | psycopg.InterfaceError
+    ) or is_lock_timeout(error):
+        return None
+    cause = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
+    lines = str(cause).strip().splitlines()
+    return lines[0].strip().rstrip(".") if lines else type(cause).__name__
 
 
 def alembic_config(url: str) -> Config:

@@ -27,7 +27,7 @@ class JobQueries:
     engine: Engine
 
     def claim(self, job_id: int, worker: str, lease_seconds: int) -> Claim:
-        """Win a queued job for ``worker`` and reserve its worst case in the budget ledger
+        """Win a queued job for ``worker`` and hold its reservation in the budget ledger
         (models.attempt)."""
         return attempt.claim(self.engine, job_id, worker, lease_seconds)
 

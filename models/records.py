@@ -39,6 +39,9 @@ class DatasetSpec:
     sampling_params: dict[str, Any]
     budget_tokens: int | None = None
     budget_basis: str = "completion"
+    # What its claims reserve (models.ledger.ReservePolicy); None: a new dataset takes the
+    # default, one that exists keeps its own.
+    reserve: str | None = None
 
 
 @dataclass(frozen=True)
@@ -220,12 +223,18 @@ class DatasetCounts:
 
 @dataclass(frozen=True)
 class Window:
-    """What was recorded within the last ``seconds``."""
+    """What was recorded within the last ``seconds``.
+
+    ``covered_s``: the part of the window the work in it spans, from the start of its
+    earliest generation (recorded minus its e2e latency) to now, at most ``seconds``; less
+    in a run's first minutes or after a pause. None when the window holds no generation.
+    """
 
     seconds: int
     completions: int = 0
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    covered_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -244,6 +253,9 @@ class DatasetStatus:
     first_done_at: datetime | None
     last_done_at: datetime | None
     windows: tuple[Window, ...]
+    # Its reserve policy, and the completion tokens its next claim reserves under it.
+    reserve: str = "worst_case"
+    reserve_tokens: int | None = None
 
     @property
     def total(self) -> int:

@@ -17,6 +17,7 @@ from models.db import driver_cursor
 from models.export import ExportQueries
 from models.feed import FeedQueries
 from models.jobs import JobQueries
+from models.ledger import ReservePolicy
 from models.order import new_seed, sort_key
 from models.plan import PlanQueries
 from models.records import (
@@ -27,6 +28,7 @@ from models.records import (
     Rejection,
     RunSpec,
 )
+from models.rejected import RejectedQueries
 from models.schema import Dataset, Generation, Job, RejectedRow, Run
 from models.states import JobState
 from models.status import StatusQueries
@@ -114,7 +116,14 @@ def _insert_staged(
 
 
 class Repository(
-    JobQueries, FeedQueries, BudgetQueries, AuditQueries, ExportQueries, StatusQueries, PlanQueries
+    JobQueries,
+    FeedQueries,
+    BudgetQueries,
+    AuditQueries,
+    ExportQueries,
+    StatusQueries,
+    PlanQueries,
+    RejectedQueries,
 ):
     """All SQL behind named methods; one instance per process, shared by threads."""
 
@@ -194,7 +203,10 @@ class Repository(
             return conn.scalar(select(Run.order_seed).where(Run.name == run))
 
     def ensure_dataset(self, run_id: int, spec: DatasetSpec) -> int:
-        """The dataset's id, creating it; refuse changed sampling params."""
+        """The dataset's id, creating it; refuse changed sampling params. A reserve policy
+        the spec names is applied to a dataset that exists too: it only decides what the
+        next claims reserve (docs/design.md §4)."""
+        reserve = {} if spec.reserve is None else {"reserve": ReservePolicy(spec.reserve).value}
         with self.engine.begin() as conn:
             conn.execute(
                 pg_insert(Dataset)
@@ -205,6 +217,7 @@ class Repository(
                     sampling_params=spec.sampling_params,
                     budget_tokens=spec.budget_tokens,
                     budget_basis=spec.budget_basis,
+                    **reserve,
                 )
                 .on_conflict_do_nothing(index_elements=[Dataset.run_id, Dataset.name])
             )
@@ -213,6 +226,16 @@ class Repository(
                     Dataset.run_id == run_id, Dataset.name == spec.name
                 )
             ).one()
+            unchanged = (row.sampling_params, row.budget_basis) == (
+                spec.sampling_params,
+                spec.budget_basis,
+            )
+            if reserve and unchanged:  # else refused below, and nothing changes
+                conn.execute(
+                    update(Dataset)
+                    .where(Dataset.id == row.id, Dataset.reserve != reserve["reserve"])
+                    .values(**reserve)
+                )
         if row.sampling_params != spec.sampling_params:
             raise DatasetMismatchError(
                 f"dataset {spec.name!r} already has jobs with sampling params "

@@ -74,6 +74,7 @@ class Dataset(Base):
         UniqueConstraint("run_id", "name"),
         CheckConstraint("budget_basis IN ('completion', 'total')", name="budget_basis_known"),
         CheckConstraint("used_tokens >= 0 AND reserved_tokens >= 0", name="ledger_nonnegative"),
+        CheckConstraint("reserve IN ('observed', 'worst_case')", name="reserve_known"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -85,6 +86,12 @@ class Dataset(Base):
     budget_basis: Mapped[str] = mapped_column(String(16), server_default="completion")
     used_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     reserved_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # What a claim reserves (models.ledger.ReservePolicy), and under "observed" the
+    # completion tokens it reserves: refreshed by the record every few done jobs from the
+    # latest lengths (models.attempt), so the claim reads a column, never the generations.
+    # NULL: too few lengths yet, the worst case is reserved.
+    reserve: Mapped[str] = mapped_column(String(16), server_default="observed")
+    observed_reserve_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Jobs by state and the done jobs' tokens, moved by the statement of each transaction
     # that moves a job (models.counters): `status` reads them instead of scanning the jobs.
     jobs_queued: Mapped[int] = _counter()
@@ -143,7 +150,7 @@ class Job(Base):
     published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     not_before: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
-    # Budget this job holds while running (its worst case), 0 otherwise.
+    # Budget this job holds while running (its reservation, docs/design.md §4), 0 otherwise.
     reserved_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

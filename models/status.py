@@ -3,17 +3,22 @@
 Jobs by state and done tokens come from the dataset rows (models.counters); rates come from
 the generations and failed attempts of the last minutes (WINDOWS_S), read through their
 time indexes. So a status costs the same on a run of a million jobs as on a thousand.
+
+Each window also says how much of it the work spans (``Window.covered_s``): from the start
+of its earliest generation (recorded at ``created_at``, after ``e2e_latency`` seconds of
+work) to now. In a run's first minutes a window is mostly time before anything was sent.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine, Select, func, select
 
+from models.ledger import BudgetBasis, ReservePolicy, reservation
 from models.records import DatasetStatus, ServerStatus, StatusSnapshot, Window
 from models.schema import Dataset, FailedAttempt, Generation, Job, Run
 from models.states import JobState
@@ -50,8 +55,10 @@ class StatusQueries:
         return StatusSnapshot(
             now=now,
             windows_s=WINDOWS_S,
-            datasets=[_dataset(d, [r for r in recent if r.dataset_id == d.id]) for d in datasets],
-            servers=_servers(recent, errors),
+            datasets=[
+                _dataset(d, [r for r in recent if r.dataset_id == d.id], now) for d in datasets
+            ],
+            servers=_servers(recent, errors, now),
             unattributed_errors=_unattributed(errors),
             order_seeds={r: int(seeds[r]) for r in sorted({d.run for d in datasets})},
             published=sum(int(published.get(d, 0)) for d in ours),
@@ -72,6 +79,9 @@ def _datasets(run: str | None) -> Select[*tuple[Any, ...]]:
         Dataset.reserved_tokens,
         Dataset.first_done_at,
         Dataset.last_done_at,
+        Dataset.reserve,
+        Dataset.observed_reserve_tokens,
+        Dataset.sampling_params["max_new_tokens"].as_integer().label("max_new_tokens"),
     ).join(Run, Run.id == Dataset.run_id)
     stmt = stmt.order_by(Run.name, Dataset.name)
     return stmt if run is None else stmt.where(Run.name == run)
@@ -91,7 +101,9 @@ def _since(seconds: int) -> Any:
 
 
 def _recent_generations() -> Select[*tuple[Any, ...]]:
-    """Per dataset and server, completions and tokens within each window."""
+    """Per dataset and server, completions and tokens within each window, and when the
+    earliest generation of each window started."""
+    started = Generation.created_at - func.make_interval(0, 0, 0, 0, 0, 0, Generation.e2e_latency)
     columns = []
     for seconds in WINDOWS_S:
         within = Generation.created_at > _since(seconds)
@@ -103,6 +115,7 @@ def _recent_generations() -> Select[*tuple[Any, ...]]:
             func.coalesce(func.sum(Generation.prompt_tokens).filter(within), 0).label(
                 f"prompt_{seconds}"
             ),
+            func.min(started).filter(within).label(f"started_{seconds}"),
         ]
     return (
         select(Generation.dataset_id, Generation.server, *columns)
@@ -125,7 +138,7 @@ def _recent_errors() -> Select[*tuple[Any, ...]]:
     )
 
 
-def _windows(rows: Sequence[Any]) -> tuple[Window, ...]:
+def _windows(rows: Sequence[Any], now: datetime) -> tuple[Window, ...]:
     """The rows' sums, one Window per length in WINDOWS_S."""
     return tuple(
         Window(
@@ -133,12 +146,22 @@ def _windows(rows: Sequence[Any]) -> tuple[Window, ...]:
             completions=sum(int(getattr(r, f"n_{s}")) for r in rows),
             completion_tokens=sum(int(getattr(r, f"completion_{s}")) for r in rows),
             prompt_tokens=sum(int(getattr(r, f"prompt_{s}")) for r in rows),
+            covered_s=_covered(s, [getattr(r, f"started_{s}") for r in rows], now),
         )
         for s in WINDOWS_S
     )
 
 
-def _dataset(row: Any, recent: Sequence[Any]) -> DatasetStatus:
+def _covered(seconds: int, starts: Sequence[datetime | None], now: datetime) -> float | None:
+    """Seconds from the earliest of ``starts`` to ``now``, at most the window's; None
+    without a start (no generation in the window)."""
+    known = [s for s in starts if s is not None]
+    if not known:
+        return None
+    return min(float(seconds), max(0.0, (now - min(known)).total_seconds()))
+
+
+def _dataset(row: Any, recent: Sequence[Any], now: datetime) -> DatasetStatus:
     return DatasetStatus(
         run=row.run,
         dataset=row.name,
@@ -151,8 +174,18 @@ def _dataset(row: Any, recent: Sequence[Any]) -> DatasetStatus:
         reserved_tokens=int(row.reserved_tokens),
         first_done_at=row.first_done_at,
         last_done_at=row.last_done_at,
-        windows=_windows(recent),
+        windows=_windows(recent, now),
+        reserve=str(row.reserve),
+        reserve_tokens=_reserve_tokens(row),
     )
+
+
+def _reserve_tokens(row: Any) -> int | None:
+    """The completion tokens the dataset's next claim reserves (models.attempt's rule)."""
+    if row.max_new_tokens is None:
+        return None
+    observed = row.observed_reserve_tokens if row.reserve == ReservePolicy.OBSERVED else None
+    return reservation(0, int(row.max_new_tokens), BudgetBasis.COMPLETION, observed)
 
 
 def _unattributed(errors: Sequence[Any]) -> dict[str, int]:
@@ -164,7 +197,7 @@ def _unattributed(errors: Sequence[Any]) -> dict[str, int]:
     return dict(counts)
 
 
-def _servers(recent: Sequence[Any], errors: Sequence[Any]) -> list[ServerStatus]:
+def _servers(recent: Sequence[Any], errors: Sequence[Any], now: datetime) -> list[ServerStatus]:
     by_server: dict[str, list[Any]] = defaultdict(list)
     for row in recent:
         by_server[row.server].append(row)
@@ -173,6 +206,6 @@ def _servers(recent: Sequence[Any], errors: Sequence[Any]) -> list[ServerStatus]
         if error.server is not None:
             failures[error.server][error.kind] += int(error.n)
     return [
-        ServerStatus(name=name, windows=_windows(by_server[name]), errors=dict(failures[name]))
+        ServerStatus(name=name, windows=_windows(by_server[name], now), errors=dict(failures[name]))
         for name in sorted(by_server.keys() | failures.keys())
     ]

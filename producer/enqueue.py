@@ -73,9 +73,12 @@ class DatabaseSink:
     expect_new: bool = True
     # Why Redis refused the last wake of the feeder, if it did.
     wake_error: str | None = None
+    # New jobs stored so far (committed), counted in the writer's thread as each batch is.
+    stored: int = 0
 
     def write(self, prepared: Prepared) -> int:
         new_ids = self.repo.insert_jobs(self.dataset_id, prepared.jobs, expect_new=self.expect_new)
+        self.stored += len(new_ids)
         self.expect_new = self.expect_new and len(new_ids) == len(prepared.jobs)
         self.repo.record_rejections(self.dataset_id, prepared.rejections)
         if new_ids:
@@ -107,6 +110,29 @@ class DrySink:
         before = len(self.seen)
         self.seen.update(int.from_bytes(sha[:8]) for sha in prepared.jobs.prompt_sha256)
         return len(self.seen) - before
+
+
+class EnqueueInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped an enqueue: what it had stored by then, per dataset. Every
+    stored job stays queued and is generated; the same command run again adds the rest."""
+
+    def __init__(self, run: str, stored: dict[str, int], *, dry_run: bool) -> None:
+        super().__init__(run, stored, dry_run)
+        self.run = run
+        self.stored = stored
+        self.dry_run = dry_run
+
+    def __str__(self) -> str:
+        if self.dry_run:
+            return "interrupted: a dry run, nothing was stored"
+        parts = [f"{n:,} jobs of {name!r}" for name, n in self.stored.items() if n]
+        if not parts:
+            return "interrupted before any job was stored; run the same command again to enqueue"
+        stored = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+        return (
+            f"interrupted: {stored} stored (run {self.run!r}); run the same command again "
+            "to go on: it adds only what is missing"
+        )
 
 
 @dataclass
@@ -182,13 +208,39 @@ def enqueue_run(
     exists) before the first job is written, so a refusal leaves no partial dataset.
     ``preparer`` templates the batches (default: `make_preparer`'s); it is closed here.
     A file that breaks mid-stream raises InputError once the rows before the break are
-    stored, saying how many.
+    stored, saying how many; Ctrl-C raises EnqueueInterrupted once the writes under way
+    are done, with the jobs stored per dataset.
     """
     for dataset in plan.datasets:
         detect_format(dataset.path, dataset.fmt)
     stop_ids = templater.stop_token_ids()
     params = {d.name: plan.sampling_params(d, stop_ids) for d in plan.datasets}
-    sinks = _sinks(plan, templater, params, repo, publisher)
+    sinks: dict[str, Sink] = {}
+    try:
+        sinks.update(_sinks(plan, templater, params, repo, publisher))
+        return _enqueue_datasets(
+            plan, templater, repo, params, sinks, progress, preparer, max_row_bytes
+        )
+    except EnqueueInterrupted:
+        raise
+    except KeyboardInterrupt as exc:  # the writes under way were waited for: counted
+        stored = {
+            name: sink.stored for name, sink in sinks.items() if isinstance(sink, DatabaseSink)
+        }
+        raise EnqueueInterrupted(plan.run, stored, dry_run=repo is None) from exc
+
+
+def _enqueue_datasets(
+    plan: RunPlan,
+    templater: Templater,
+    repo: Repository | None,
+    params: dict[str, dict[str, Any]],
+    sinks: dict[str, Sink],
+    progress: Progress | None,
+    preparer: Preparer | None,
+    max_row_bytes: int,
+) -> RunReport:
+    """Enqueue every dataset of ``plan`` into its sink, in order."""
     seed = plan.order_seed if repo is None else repo.order_seed(plan.run)
     report = RunReport(plan.run, dry_run=repo is None, datasets=[], order_seed=seed)
     report.warnings.extend(_budget_warnings(plan, sinks))
@@ -306,6 +358,7 @@ def _sinks(
                 sampling_params=params[d.name],
                 budget_tokens=d.budget_tokens,
                 budget_basis=d.budget_basis.value,
+                reserve=None if d.reserve is None else d.reserve.value,
             ),
         )
         sinks[d.name] = DatabaseSink(repo, publisher, dataset_id, repo.budget_of(dataset_id))

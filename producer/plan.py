@@ -9,7 +9,7 @@ from typing import Any
 
 from core.names import check_name
 from core.sampling import complete
-from models.ledger import BudgetBasis, parse_tokens
+from models.ledger import BudgetBasis, ReservePolicy, parse_tokens
 from producer.runfile import RunFile
 
 
@@ -25,6 +25,9 @@ class DatasetPlan:
     budget_basis: BudgetBasis = BudgetBasis.COMPLETION
     limit: int | None = None
     sample_seed: int | None = None
+    # What its claims reserve (models.ledger.ReservePolicy); None: the default for a new
+    # dataset, the stored policy for one that exists.
+    reserve: ReservePolicy | None = None
 
     def __post_init__(self) -> None:
         check_name("dataset", self.name)
@@ -74,6 +77,7 @@ def plan_from_run_file(run_file: RunFile) -> RunPlan:
                 budget_basis=d.budget_basis,
                 limit=d.limit,
                 sample_seed=d.sample_seed,
+                reserve=d.reserve,
             )
             for d in run_file.datasets
         ],

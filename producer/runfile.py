@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from models.ledger import BudgetBasis, parse_tokens
+from models.ledger import BudgetBasis, ReservePolicy, parse_tokens
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
 
@@ -24,6 +24,8 @@ class DatasetEntry(BaseModel):
     sampling: dict[str, Any] = Field(default_factory=dict)
     budget_tokens: int | None = None
     budget_basis: BudgetBasis = BudgetBasis.COMPLETION
+    # None: a new dataset reserves "observed", one that exists keeps its policy.
+    reserve: ReservePolicy | None = None
     limit: int | None = Field(default=None, ge=1)
     sample_seed: int | None = None
 

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 # The suite must not pick up a developer's own configuration.
 for _name in [n for n in os.environ if n.startswith("EAGLEGEN_") and "_TEST_" not in n]:
     del os.environ[_name]
+# Nor find a developer's running stack: `eaglegen up` leaves a pointer to it under
+# $XDG_CONFIG_HOME (eaglegen.stack), which commands run by the tests would follow.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="eaglegen-test-config-")
 
 _counter = itertools.count()
 

@@ -47,10 +47,20 @@ def _netns() -> str | None:
     return None
 
 
+def _root() -> str | None:
+    """Root: pgserver then runs the embedded Postgres as a user of its own (``pgserver``)."""
+    return (
+        None
+        if os.geteuid() == 0
+        else "needs root (only then does pgserver run Postgres as its own user)"
+    )
+
+
 CHECKS: dict[str, Callable[[], str | None]] = {
     "browser": _browser,
     "faketime": _faketime,
     "netns": _netns,
+    "root": _root,
 }
 
 

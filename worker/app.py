@@ -23,15 +23,23 @@ from core.wire import TASK_GENERATE
 from worker import metrics
 from worker.background import Background
 from worker.celeryconfig import make_celery
+from worker.events import OpenTasks, announce_exit
 from worker.numa import PinResult
+from worker.outages import one_line
 from worker.retry import backoff
-from worker.runner import DATABASE_UNAVAILABLE, Outcome, Result, WorkerContext, run_attempt
+from worker.runner import (
+    DATABASE_UNAVAILABLE,
+    SENT_BACK,
+    Drain,
+    Outcome,
+    Result,
+    WorkerContext,
+    run_attempt,
+)
 
 log = logging.getLogger(__name__)
-# Outcomes after which the job is queued again: the feeder publishes it after its backoff
-# (RETRY, DEFERRED, UNSERVED), or this message goes back so that a worker with a free slot
-# takes it (NO_SLOT: the job was never claimed, so its message is still the one it has out).
-_REQUEUE = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.NO_SLOT, Outcome.UNSERVED})
+# What Flower shows for the messages a stopping worker gives back.
+GIVEN_BACK = "worker stopped: its message went back to the queue"
 
 
 class JobFailed(Exception):
@@ -117,14 +125,15 @@ def create_worker_app(
         except DATABASE_UNAVAILABLE as exc:
             # Postgres unreachable (restart, failover) or the pool exhausted: keep this job's
             # message instead of acking it away with a failure, and ask again after a backoff.
-            cause = getattr(exc, "orig", None) or exc
-            log.warning("job %s: database unavailable (%s); retrying", job_id, cause)
+            # The log says so once per outage (worker.outages), not once per job.
+            ctx.outages.service_down(exc)
             s = ctx.settings
             delay = backoff(self.request.retries + 1, s.retry_base_s, s.retry_cap_s)
-            reason = f"database unavailable: {' '.join(str(cause).split())[:300]}"
+            reason = f"database unavailable: {one_line(exc)}"
             # Postgres cannot take the job back to the feeder: the message goes back itself.
             result = Result(Outcome.RETRY, delay, reason=reason, resend=True)
         ctx.metrics.attempt(result.outcome.value)
+        ctx.ended(job_id, result.outcome)
         return _ending(ctx, self, job_id, result)
 
     return app, holder
@@ -133,7 +142,7 @@ def create_worker_app(
 def _ending(ctx: WorkerContext, task: Task, job_id: int, result: Result) -> str:
     """End the task as what happened to the job: its result string (done and the
     duplicates), or SentBack (RETRY), JobFailed (FAILURE), the SKIPPED event."""
-    if result.outcome in _REQUEUE:
+    if result.outcome in SENT_BACK:
         if result.outcome is Outcome.NO_SLOT or result.resend:  # ours is acked: send it again
             ctx.publisher.publish_later(
                 job_id,
@@ -220,7 +229,8 @@ def start(
         log.warning("worker %s: Prometheus metrics on port %d", name, metrics_port)
     background = Background(ctx, app, name, pinned)
     background.start()
-    _on_shutdown(ctx)
+    opened = OpenTasks(app)
+    _on_shutdown(ctx, app, name, opened)
     ending = _Ending()
     celery_worker.logger.addFilter(ending)  # the logger of its "Unrecoverable error"
     worker_shutdown.connect(ending.shutdown, weak=False)
@@ -230,8 +240,11 @@ def start(
         background.stop()
         if exporter is not None:
             exporter.shutdown()
-        if held := release_held(ctx):
-            log.warning("worker stopping: released %s job(s) it still held: %s", len(held), held)
+        drain = ctx.begin_stop()  # the one SIGTERM began, or (stopped otherwise) a new one
+        held = release_held(ctx)
+        drain.released(held)
+        _announce_exit(app, name, opened)
+        log.warning("worker stopped: %s%s", drain.summary, _released(held))
         holder.close()
     # worker_main drops Celery's exit code: a worker stopped by an unrecoverable error
     # (Redis refusing writes, say) would exit 0, and a supervisor that restarts on failure
@@ -266,11 +279,20 @@ class _Ending(logging.Filter):
 def release_held(ctx: WorkerContext) -> list[int]:
     """Give back every job this process still holds, in any phase, without spending an
     attempt, and its slots; the released ids (the feeder publishes them again)."""
-    released = [
-        j
-        for j in ctx.running_jobs()
-        if ctx.repo.release(j, ctx.name, "worker stopped before the request finished", refund=True)
-    ]
+    running, released = ctx.running_jobs(), []
+    try:
+        for job in running:
+            if ctx.repo.release(
+                job, ctx.name, "worker stopped before the request finished", refund=True
+            ):
+                released.append(job)
+    except DATABASE_UNAVAILABLE as exc:  # they stay running until their leases lapse
+        log.warning(
+            "could not give back %d running job(s) (%s): the reconciler re-queues them once "
+            "their leases lapse (EAGLEGEN_LEASE_SECONDS)",
+            len(running) - len(released),
+            one_line(exc),
+        )
     try:
         ctx.router.release_all()  # else other workers lose these slots for slot_lease_seconds
         if released:
@@ -280,13 +302,20 @@ def release_held(ctx: WorkerContext) -> list[int]:
     return released
 
 
-def _on_shutdown(ctx: WorkerContext) -> None:
-    """On SIGTERM: take no new jobs, let running ones finish for the grace period, then
-    give their claims back (without spending an attempt) and exit."""
+def _on_shutdown(ctx: WorkerContext, app: Celery, nodename: str, opened: OpenTasks) -> None:
+    """On SIGTERM (or SIGINT): take no new jobs, let running ones finish for the grace
+    period, then give their claims back (without spending an attempt) and exit."""
 
-    def abandon() -> None:
+    def abandon(drain: Drain) -> None:
         released = release_held(ctx)
-        log.warning("grace period over: released %s running job(s): %s", len(released), released)
+        drain.released(released)
+        _announce_exit(app, nodename, opened)
+        log.warning(
+            "grace period over: released %s running job(s)%s; worker stopped: %s",
+            len(released),
+            f": {released}" if released else "",
+            drain.summary,
+        )
         # Celery's cold shutdown would still join the pool's threads, which wait on their
         # requests: leave now. Our messages stay unacked; Redis redelivers them later and
         # the claim turns those duplicates away.
@@ -294,8 +323,28 @@ def _on_shutdown(ctx: WorkerContext) -> None:
         os._exit(0)
 
     @worker_shutting_down.connect(weak=False)  # type: ignore[untyped-decorator]
-    def shutting_down(**_: Any) -> None:
-        ctx.stopping.set()
-        timer = threading.Timer(ctx.settings.shutdown_grace_s, abandon)
+    def shutting_down(sig: str = "", **_: Any) -> None:
+        drain = ctx.begin_stop()
+        grace = ctx.settings.shutdown_grace_s
+        log.warning(
+            "worker stopping (%s): taking no new jobs; waiting up to %g s for %d request(s) "
+            "in flight, then giving their jobs back",
+            sig or "signal",
+            grace,
+            len(drain.waiting_for),
+        )
+        timer = threading.Timer(grace, abandon, args=(drain,))
         timer.daemon = True
         timer.start()
+
+
+def _released(held: list[int]) -> str:
+    return f"; released {len(held)} job(s) it still held: {held}" if held else ""
+
+
+def _announce_exit(app: Celery, nodename: str, opened: OpenTasks) -> None:
+    """Close in Flower the tasks this worker gives back, and its active count."""
+    try:
+        announce_exit(app, nodename, opened.ids(), GIVEN_BACK)
+    except Exception as exc:  # Redis gone: Flower keeps its last view, nothing else does
+        log.warning("could not tell Flower which tasks went back (%s)", one_line(exc))

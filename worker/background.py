@@ -9,17 +9,20 @@ import os
 import socket
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import redis
 from celery import Celery
+from celery.signals import worker_ready
 
 from core import heartbeat, keys, wire
 from core.broker import redis_now, wake_feeder
 from core.heartbeat import Heartbeat, ServerBeat
 from worker.controller import LimitControllers
-from worker.feeder import Feeder
+from worker.feeder import Feeder, FeedLog
 from worker.leader import Leadership
 from worker.numa import PinResult
+from worker.outages import one_line
 from worker.reconcile import reconcile
 from worker.runner import WorkerContext, heartbeat_ttl
 from worker.servers import probe
@@ -53,14 +56,19 @@ class Background:
             s,
         )
         # A request that finds its server gone pauses consumption at once, not a loop later.
-        ctx.router.on_change.append(lambda: self._set_consuming(ctx.router.any_healthy()))
+        ctx.router.on_change.append(lambda: self._set_consuming(ctx.router.any_ready()))
 
     def start(self) -> None:
         """Start every loop (the heartbeat first, so `worker --check` sees us at once)."""
         s = self.ctx.settings
         # What each server serves; one that does not answer is asked again from the loops.
+        # Until one has said, the worker takes no job (it could run none): see
+        # `_consumer_ready`.
         self.ctx.router.identify_unknown(5.0, s.health_interval_s)
         self.beat()
+        # A worker whose servers are all down or unidentified when its consumer starts pauses
+        # it then: a pause asked for before (a server found down) reached no consumer.
+        worker_ready.connect(self._consumer_ready, weak=False)
         self._loop("heartbeat", s.heartbeat_interval_s, self.beat)
         self._loop("health", s.health_interval_s, self.check_health)
         self._loop("leases", min(s.lease_seconds, s.slot_lease_seconds) / 3, self.renew)
@@ -72,6 +80,7 @@ class Background:
     def stop(self) -> None:
         """Stop the loops, remove the heartbeat and hand the feeder's lock on."""
         self._stop.set()
+        worker_ready.disconnect(self._consumer_ready)
         for thread in self._threads:
             thread.join(timeout=5)
         try:
@@ -83,12 +92,28 @@ class Background:
     def _loop(self, name: str, interval_s: float, step: Callable[[], None]) -> None:
         def run() -> None:
             while not self._stop.wait(interval_s):
-                try:
-                    step()
-                except Exception:  # a side loop must outlive Redis or Postgres restarts
-                    log.exception("worker %s loop failed; retrying in %.1f s", name, interval_s)
+                self._step(name, step)
 
         self._start_thread(name, run)
+
+    def _step(self, name: str, step: Callable[[], None]) -> bool:
+        """One pass of a side loop; whether it went through. It must outlive Redis and
+        Postgres restarts, and say so once: a service out of reach is one line per outage
+        (worker.outages), an error nobody foresaw its trace once, then reminders."""
+        failing = f"worker {name} loop failing"
+        try:
+            step()
+        except Exception as exc:
+            if not self.ctx.outages.service_down(exc):
+                self.ctx.outages.down(
+                    failing,
+                    f"{type(exc).__name__}: {one_line(exc)}",
+                    ended=f"worker {name} loop works again",
+                    exc_info=exc,
+                )
+            return False
+        self.ctx.outages.up(failing)
+        return True
 
     def _start_thread(self, name: str, run: Callable[[], None]) -> None:
         thread = threading.Thread(target=run, name=f"eaglegen-{name}", daemon=True)
@@ -127,24 +152,40 @@ class Background:
             membind=None if self.pinned is None else str(self.pinned.membind),
         )
         heartbeat.write(self.ctx.redis, record, heartbeat_ttl(s))
+        self.ctx.outages.redis_ok()
         for conflict in self.ctx.hold_server_names():
             log.error("%s", conflict)
 
     def check_health(self) -> None:
-        """Probe every attached server; stop consuming while none is up."""
+        """Probe every attached server; stop consuming while none is up and identified."""
         timeout = min(self.ctx.settings.health_interval_s * 3, 60.0)
         self.ctx.router.identify_unknown(timeout, self.ctx.settings.health_interval_s)
         for server in self.ctx.router.servers:
             reason = probe(server, timeout)
+            # Said when it goes down or comes back, reminded of while it stays down.
             self.ctx.router.mark(server, healthy=reason is None, reason=reason or "")
-            if reason is not None:
-                log.info("server %s still down: %s", server.name, reason)
-        self._set_consuming(self.ctx.router.any_healthy())
+        self._set_consuming(self.ctx.router.any_ready())
 
     def _set_consuming(self, consume: bool) -> None:
         with self._consuming_lock:
             if consume != self.consuming:
                 self._switch_consumer(consume)
+
+    def _consumer_ready(self, sender: Any = None, **_: Any) -> None:
+        """worker_ready receiver, in the consumer's own thread, before it takes a message:
+        pause it there while none of this worker's servers is up and identified."""
+        if getattr(sender, "hostname", None) != self.nodename:
+            return
+        with self._consuming_lock:
+            if self.consuming and self.ctx.router.any_ready():
+                return
+            sender.cancel_task_queue(self.ctx.settings.queue)
+            if self.consuming:
+                self.consuming = False
+                log.warning(
+                    "pausing queue %s: none of this worker's servers is up and identified",
+                    self.ctx.settings.queue,
+                )
 
     def _switch_consumer(self, consume: bool) -> None:
         queue = self.ctx.settings.queue
@@ -155,16 +196,18 @@ class Background:
             self.app.control.cancel_consumer(queue, destination=[self.nodename], reply=False)
         self.consuming = consume
         if consume:
-            log.warning("resuming queue %s: a server is up again", queue)
+            log.warning("resuming queue %s: a server is up and identified", queue)
         else:
-            log.warning("pausing queue %s: none of this worker's servers is up", queue)
+            log.warning(
+                "pausing queue %s: none of this worker's servers is up and identified", queue
+            )
 
     def renew(self) -> None:
         """Extend the leases of running jobs and held slots."""
         self.ctx.router.renew()
-        self.ctx.repo.extend_leases(
-            self.ctx.running_jobs(), self.ctx.name, self.ctx.settings.lease_seconds
-        )
+        if running := self.ctx.running_jobs():
+            self.ctx.repo.extend_leases(running, self.ctx.name, self.ctx.settings.lease_seconds)
+            self.ctx.outages.database_ok()
 
     def reconcile_if_leader(self) -> None:
         """Run the reconciler when this worker holds (or wins) the Redis lock."""
@@ -178,6 +221,7 @@ class Background:
             max_attempts=s.max_attempts,
             republish_after_s=s.republish_after_s,
         )
+        self.ctx.outages.database_ok()
         if report.expired_leases or report.republished:
             log.warning("reconciler: %s", report.as_dict())
             wake_feeder(self.ctx.redis, s.queue)
@@ -205,21 +249,29 @@ class Background:
             window=s.window,
             on_skipped=self._announce_skipped,
         )
+        said = FeedLog(s.queue)  # changes of state and a summary, not a line per pass
         wake = keys.feeder_wake(s.queue)
+        wait = 0.0  # before the next pass
+
+        def one_pass() -> None:
+            nonlocal wait
+            wait = s.feed_interval_s
+            lock_ttl_s = max(10.0, 5 * s.feed_interval_s)
+            leader = self._leadership.hold(keys.feeder_lock(s.queue), lock_ttl_s)
+            said.leading(leader)
+            if not leader:
+                return
+            report = feeder.feed()
+            if report.queried:
+                self.ctx.outages.database_ok()
+            said.passed(report)
+            wait = report.next_pass_s(s.feed_interval_s)
+            if wait >= s.feed_interval_s:  # BLPOP takes whole seconds on older Redis servers
+                self.ctx.redis.blpop([wake], timeout=max(1, round(s.feed_interval_s)))
+                wait = 0.0
+
         while not self._stop.is_set():
-            try:
-                lock_ttl_s = max(10.0, 5 * s.feed_interval_s)
-                if not self._leadership.hold(keys.feeder_lock(s.queue), lock_ttl_s):
-                    self._stop.wait(s.feed_interval_s)
-                    continue
-                report = feeder.feed()
-                if report.published or report.skipped:
-                    log.info("feeder: %s", report.as_dict())
-                wait = report.next_pass_s(s.feed_interval_s)
-                if wait < s.feed_interval_s:
-                    self._stop.wait(wait)
-                else:  # BLPOP takes whole seconds on older Redis servers
-                    self.ctx.redis.blpop([wake], timeout=max(1, round(s.feed_interval_s)))
-            except Exception:  # the loop must outlive Redis or Postgres restarts
-                log.exception("worker feeder loop failed; retrying in %.1f s", s.feed_interval_s)
-                self._stop.wait(s.feed_interval_s)
+            if not self._step("feeder", one_pass):
+                wait = s.feed_interval_s
+            if wait:
+                self._stop.wait(wait)

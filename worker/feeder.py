@@ -36,6 +36,8 @@ REPORT_TTL_S = 60
 WINDOW_TTL_S = 5.0
 # The shortest wait between passes while workers drain the list.
 SOON_S = 0.05
+# The feeder's log says what it did at most this often (and its changes of state at once).
+SUMMARY_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class FeedReport:
     skipped: int  # jobs of spent budgets skipped unpublished
     # Messages the workers took per second since the previous pass (0 on the first).
     taken_per_s: float = 0.0
+    # The pass read Postgres (the list was down to half the window).
+    queried: bool = False
+    # ...and found nothing left to publish: no job without a message out in any dataset
+    # whose budget is not spent.
+    idle: bool = False
 
     def next_pass_s(self, interval_s: float) -> float:
         """When to look again. Soon after a top-up (workers may take faster than one pass
@@ -92,6 +99,8 @@ class Feeder:
         self._auto: tuple[float, int] | None = None  # (until, window) from the heartbeats
         # When the previous pass ended and how many messages it left in the list.
         self._last: tuple[float, int] | None = None
+        # Spent datasets whose skipping the log has told (told again after a budget raise).
+        self._told_spent: set[int] = set()
 
     def feed(self) -> FeedReport:
         """Once the queue list is down to half the window: skip spent datasets' jobs, then
@@ -104,6 +113,7 @@ class Feeder:
             self._last = (now, in_redis)
             return self._report(FeedReport(window, in_redis, 0, 0, taken_per_s))
         datasets = self.repo.feed_datasets()
+        self._told_spent.difference_update(d.dataset_id for d in datasets if not d.spent)
         skipped = sum(self._skip(d) for d in datasets if d.spent and d.ready)
         order = allocate([share_of(d) for d in datasets if not d.spent], window - in_redis)
         published = 0
@@ -118,7 +128,10 @@ class Feeder:
 
             self.repo.take_next(Counter(order), publish)
         self._last = (now, in_redis + published)
-        return self._report(FeedReport(window, in_redis, published, skipped, taken_per_s))
+        idle = not published and not any(d.ready for d in datasets if not d.spent)
+        return self._report(
+            FeedReport(window, in_redis, published, skipped, taken_per_s, queried=True, idle=idle)
+        )
 
     def _pace(self, now: float, in_redis: int) -> float:
         """Messages taken from the list per second since the previous pass left it."""
@@ -147,7 +160,93 @@ class Feeder:
         count, known = self.repo.skip_spent(dataset.dataset_id)
         if known and self.on_skipped is not None:
             self.on_skipped(known)
+        if count and dataset.dataset_id not in self._told_spent:
+            self._told_spent.add(dataset.dataset_id)
+            log.info(
+                "feeder: dataset %r of run %r spent its budget (%s of %s tokens): "
+                "skipping its queued jobs (%d now)",
+                dataset.dataset,
+                dataset.run,
+                f"{dataset.used_tokens:,}",
+                f"{dataset.budget_tokens or 0:,}",
+                count,
+            )
         return count
+
+
+class FeedLog:
+    """What the feeder says in the log: its changes of state at once (it takes the queue
+    over or hands it on, starts or stops publishing, its window changes) and what it did
+    at most every ``summary_s``; never a line per pass (several a second while workers
+    drain the window)."""
+
+    def __init__(
+        self,
+        queue: str,
+        summary_s: float = SUMMARY_S,
+        logger: logging.Logger = log,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.queue = queue
+        self.summary_s = summary_s
+        self._log = logger
+        self._clock = clock
+        self.leader = False
+        self.publishing = False
+        self.window: int | None = None
+        self._since = clock()  # the start of the summary's period
+        self._published = 0  # in the period
+        self._skipped = 0
+        self._spell = 0  # published since it last started publishing
+
+    def leading(self, leader: bool) -> None:
+        """Whether this worker holds the feeder's lock now."""
+        if leader == self.leader:
+            return
+        self.leader = leader
+        if leader:
+            self._log.info("feeder: this worker feeds queue %s now", self.queue)
+        else:
+            self._log.info("feeder: another worker feeds queue %s now", self.queue)
+            self.publishing = False
+
+    def passed(self, report: FeedReport) -> None:
+        """One pass's report."""
+        if report.window != self.window:
+            if self.window is not None:
+                self._log.info(
+                    "feeder: window now %d message(s) (was %d)", report.window, self.window
+                )
+            self.window = report.window
+        self._published += report.published
+        self._skipped += report.skipped
+        self._spell += report.published
+        if report.published and not self.publishing:
+            self.publishing = True
+            self._spell = report.published
+            self._log.info(
+                "feeder: publishing queue %s (window %d message(s))", self.queue, report.window
+            )
+        elif report.idle and self.publishing:
+            self.publishing = False
+            self._log.info(
+                "feeder: nothing left to publish on queue %s (%s message(s) published)",
+                self.queue,
+                f"{self._spell:,}",
+            )
+        now = self._clock()
+        if now - self._since >= self.summary_s:
+            if self._published or self._skipped:
+                self._log.info(
+                    "feeder: in the last %.0f min: %s message(s) published, %s job(s) of spent "
+                    "budgets skipped; window %d, %d waiting in Redis",
+                    (now - self._since) / 60,
+                    f"{self._published:,}",
+                    f"{self._skipped:,}",
+                    report.window,
+                    report.in_redis + report.published,
+                )
+            self._since, self._published, self._skipped = now, 0, 0
 
 
 def interleave(order: list[int], taken: dict[int, list[int]]) -> list[int]:

@@ -27,6 +27,7 @@ from models.repository import Repository
 from worker.controller import SharedLimits
 from worker.metrics import WorkerMetrics
 from worker.names import ServerNames
+from worker.outages import Outages
 from worker.reasoning import split_reasoning
 from worker.retry import AttemptError, Disposition, ErrorKind, backoff, decide
 from worker.servers import Lease, Router, Server, probe
@@ -82,6 +83,10 @@ class Outcome(Enum):
     UNSERVED = "unserved"
 
 
+# Outcomes after which the job waits in the queue to be run again.
+SENT_BACK = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.NO_SLOT, Outcome.UNSERVED})
+
+
 @dataclass(frozen=True)
 class Result:
     """The outcome and, for RETRY/DEFERRED, the delay before the job is published again.
@@ -116,6 +121,10 @@ class WorkerContext:
     stopping: threading.Event = field(default_factory=threading.Event)
     # Runs none of this worker's servers may generate, with why (logged once per reason).
     unserved: dict[str, str] = field(default_factory=dict)
+    # Conditions that last (Postgres or Redis out of reach, a server down), said once each.
+    outages: Outages = field(default_factory=Outages)
+    # From SIGTERM on: the jobs it was running then, and how their attempts ended.
+    drain: Drain | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -144,7 +153,8 @@ class WorkerContext:
         slots = SlotPool(client, lease_seconds=settings.slot_lease_seconds)
         # The adaptive limits the controllers set (worker.controller), else the configured.
         limits = SharedLimits(client).get if settings.adaptive_concurrency else None
-        router = Router(attached, slots, limits=limits)
+        outages = Outages(settings.log_reminder_s)
+        router = Router(attached, slots, limits=limits, outages=outages)
         metrics = WorkerMetrics()
         metrics.known_servers([s.name for s in attached])
         repo = Repository(engine)
@@ -156,6 +166,7 @@ class WorkerContext:
             publisher=Publisher(services.broker_url, settings.queue),
             names=ServerNames(client, ttl_s=heartbeat_ttl(settings)),
             metrics=metrics,
+            outages=outages,
         )
 
     def hold_server_names(self) -> list[str]:
@@ -175,6 +186,21 @@ class WorkerContext:
         with self._lock:
             return list(self.in_flight)
 
+    def begin_stop(self) -> Drain:
+        """Take no new job from now on; the jobs running now, whose ends `ended` counts."""
+        with self._lock:
+            if self.drain is None:
+                self.drain = Drain(frozenset(self.in_flight))
+            drain = self.drain
+        self.stopping.set()
+        return drain
+
+    def ended(self, job_id: int, outcome: Outcome) -> None:
+        """An attempt ended: counted if its job was running when the worker began to stop."""
+        drain = self.drain
+        if drain is not None:
+            drain.count(job_id, outcome)
+
     def close(self) -> None:
         """Release connections."""
         for server in self.router.servers:
@@ -182,6 +208,49 @@ class WorkerContext:
         self.repo.engine.dispose()
         self.redis.close()
         self.publisher.close()
+
+
+@dataclass
+class Drain:
+    """A stopping worker's running jobs: those it waits for, and how their attempts ended."""
+
+    waiting_for: frozenset[int]
+    finished: int = 0  # ended here (done, failed, skipped, or not this worker's any more)
+    sent_back: int = 0  # given back to the queue (Postgres or Redis), to run again
+    _counted: set[int] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, job_id: int, outcome: Outcome) -> None:
+        """Count one ending of a job waited for (once per job)."""
+        with self._lock:
+            if job_id not in self.waiting_for or job_id in self._counted:
+                return
+            self._counted.add(job_id)
+            if outcome in SENT_BACK:
+                self.sent_back += 1
+            else:
+                self.finished += 1
+
+    def released(self, job_ids: list[int]) -> int:
+        """Count the jobs given back at exit (still running then); how many were new."""
+        with self._lock:
+            new = [j for j in job_ids if j not in self._counted]
+            self._counted.update(new)
+            self.sent_back += len(new)
+            return len(new)
+
+    @property
+    def summary(self) -> str:
+        """How the requests it waited for ended, in words."""
+        with self._lock:
+            finished, sent_back = self.finished, self.sent_back
+        waited = len(self.waiting_for)
+        if not waited and not sent_back:
+            return "no request was in flight when it began to stop"
+        return (
+            f"of the {waited} request(s) in flight when it began to stop, {finished} "
+            f"finished and {sent_back} went back to the queue"
+        )
 
 
 def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
@@ -207,6 +276,8 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
         )
     held = [lease]  # the slot this attempt holds; another if the job's model is elsewhere
     try:
+        if ctx.stopping.is_set():  # it began to stop while this one waited for the slot
+            return Result(Outcome.NO_SLOT, reason="worker stopping")
         return _claimed_attempt(ctx, job_id, held)
     finally:
         for each in held:
@@ -215,6 +286,7 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
 
 def _claimed_attempt(ctx: WorkerContext, job_id: int, held: list[Lease]) -> Result:
     claim = ctx.repo.claim(job_id, ctx.name, ctx.settings.lease_seconds)
+    ctx.outages.database_ok()
     if claim.outcome == "deferred":
         wait = ctx.settings.budget_defer_s
         reason = (
@@ -318,12 +390,16 @@ def _record(ctx: WorkerContext, job_id: int, record: GenerationRecord) -> bool:
     attempt = 0
     while True:
         try:
-            return ctx.repo.record(job_id, ctx.name, record)
-        except DATABASE_UNAVAILABLE:
+            recorded = ctx.repo.record(job_id, ctx.name, record)
+        except DATABASE_UNAVAILABLE as exc:
+            ctx.outages.service_down(exc)
             attempt += 1
             if time.monotonic() >= deadline or ctx.stopping.is_set():
                 raise
             time.sleep(max(0.05, backoff(attempt, ctx.settings.retry_base_s, 1.0)))
+        else:
+            ctx.outages.database_ok()
+            return recorded
 
 
 def _generate(server: Server, job: ClaimedJob) -> GenerationRecord:

@@ -13,6 +13,7 @@ import httpx
 from core.settings import ServerSpec
 from models.records import RunModel
 from worker.identity import Served, mismatch
+from worker.outages import Outages
 from worker.sglang import SGLangClient
 from worker.slots import SlotPool
 
@@ -69,8 +70,11 @@ class Router:
         slots: SlotPool,
         poll_s: float = 0.05,
         limits: Callable[[Server], int] | None = None,
+        outages: Outages | None = None,
     ) -> None:
         self.servers = servers
+        # Says a server down or unidentified once, reminds of it, says when it is back.
+        self.outages = outages or Outages()
         self._slots = slots
         self._poll_s = poll_s
         # A server's in-flight limit now (the adaptive one, worker.controller.SharedLimits).
@@ -83,6 +87,11 @@ class Router:
     def any_healthy(self) -> bool:
         """Whether at least one attached server is up."""
         return any(s.healthy for s in self.servers)
+
+    def any_ready(self) -> bool:
+        """Whether at least one attached server is up and said what it serves: the worker
+        can run a job (it takes none from the queue otherwise)."""
+        return any(s.healthy and s.served is not None for s in self.servers)
 
     def identify_unknown(self, timeout_s: float, retry_after_s: float) -> bool:
         """Ask the servers whose model is not known yet what they serve; whether any was.
@@ -98,10 +107,11 @@ class Router:
                 if server.served is None and server.identify_after <= time.monotonic():
                     reason = identify(server, timeout_s)
                     server.identify_after = time.monotonic() + retry_after_s
-                    if reason is not None:
-                        log.warning(
-                            "server %s: its model is not known yet: %s", server.name, reason
-                        )
+                    unknown = f"server {server.name}: its model is not known yet"
+                    if reason is None:
+                        self.outages.up(unknown)  # identify said what it serves
+                    else:
+                        self.outages.down(unknown, reason, then="asking again")
         return True
 
     def identified(self, timeout_s: float, retry_after_s: float) -> list[Server]:
@@ -160,10 +170,19 @@ class Router:
         """Set a server's health; True when that changed it."""
         changed = server.healthy != healthy
         server.healthy, server.reason = healthy, reason
-        if changed and healthy:
-            log.warning("server %s is back up", server.name)
-        elif changed:
-            log.warning("server %s is down: %s; its jobs go to other workers", server.name, reason)
+        down = f"server {server.name} is down"
+        if healthy:
+            self.outages.up(down)
+        else:  # said when it goes down, reminded of while it stays down (each probe marks it)
+            self.outages.down(
+                down,
+                reason,
+                then="its jobs go to other workers",
+                ended=f"server {server.name} is back up",
+            )
+        if changed:
+            for notify in self.on_change:
+                notify()
         return changed
 
 

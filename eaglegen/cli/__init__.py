@@ -15,6 +15,7 @@ from eaglegen.cli import (
     flower,
     maintenance,
     plan,
+    rejected,
     sim,
     stack,
     stats,
@@ -27,7 +28,19 @@ app = typer.Typer(
     add_completion=False,
     help="Regenerate EAGLE-3 training data with the target model's exact tokens.",
 )
-for module in (enqueue, worker, status, stack, sim, maintenance, export, stats, flower, doctor):
+for module in (
+    enqueue,
+    worker,
+    status,
+    stack,
+    sim,
+    maintenance,
+    rejected,
+    export,
+    stats,
+    flower,
+    doctor,
+):
     app.add_typer(module.app)  # no name: its commands are top-level ones
 app.add_typer(plan.app)
 app.add_typer(db.app, name="db")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -23,12 +24,38 @@ from rich.console import Console
 
 from core.settings import ServerSpec, Services, Settings
 from eaglegen.report.text import inline
-from eaglegen.stack import FLOWER_AUTH_ENV, MissingExtraError, read_stack_file
+from eaglegen.stack import FLOWER_AUTH_ENV, MissingExtraError, StackSearch, find_stack
 
 if TYPE_CHECKING:
     from models.repository import Repository
 
-err = Console(stderr=True)
+# The width of a console writing to a file or a pipe (nohup, tee, a CI log): wider than any
+# line, so that no table is cut to fit and no long value (a URL, a path) is wrapped.
+UNWRAPPED_WIDTH = 1_000_000
+
+
+def console(*, stderr: bool = False, **options: Any) -> Console:
+    """A rich Console on stdout (``stderr``: on stderr), made here for every command.
+
+    On a terminal it lays out for the terminal's width. On a file or a pipe it neither
+    wraps nor cuts: a log holds whole lines and whole tables, whatever the width of the
+    terminal it was started from. ``COLUMNS``, when set, is the width in both cases.
+    """
+    made = Console(stderr=stderr, **options)
+    if not _isatty(made.file) and not os.environ.get("COLUMNS", "").strip().isdigit():
+        made.width = UNWRAPPED_WIDTH
+        made.soft_wrap = True
+    return made
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no such method, or the stream is closed
+        return False
+
+
+err = console(stderr=True)
 
 DatabaseUrl = Annotated[
     str | None, typer.Option(envvar="EAGLEGEN_DATABASE_URL", help="Postgres URL")
@@ -109,16 +136,44 @@ def emit_json(document: Any) -> None:
 
 def load_settings(**flags: Any) -> Settings:
     """Settings from the environment with every flag that was given (not None) on top, and
-    the services of `eaglegen up` where neither names one."""
+    the services of `eaglegen up` where neither names one (its stack as stack_search finds
+    it; its folder becomes the data directory)."""
     given = {k: v for k, v in flags.items() if v is not None and v != []}
     settings = Settings(**given)
-    stack = read_stack_file(settings.data_dir) or {}
+    found = stack_search(settings)
+    stack = found.info or {}
     updates: dict[str, Any] = {}
+    if found.info is not None and found.data_dir != settings.data_dir:
+        updates["data_dir"] = found.data_dir
     if settings.database_url is None and stack.get("database_url"):
         updates["database_url"] = stack["database_url"]
     if settings.broker_url is None and stack.get("broker_url"):
         updates["broker_url"] = stack["broker_url"]
     return Settings(**{**given, **updates}) if updates else settings
+
+
+def stack_settings(**flags: Any) -> Settings:
+    """Settings of `up` and `down`: the data directory is the stack's folder as every
+    command finds it, the services are only what the environment and flags name (not what
+    the stack recorded: `up` decides what to keep)."""
+    given = {k: v for k, v in flags.items() if v is not None and v != []}
+    settings = Settings(**given)
+    found = stack_search(settings)
+    if found.info is not None and found.data_dir != settings.data_dir:
+        return Settings(**{**given, "data_dir": found.data_dir})
+    return settings
+
+
+def stack_search(settings: Settings) -> StackSearch:
+    """The stack of `eaglegen up`: in the data directory when one was given (flag or
+    EAGLEGEN_DATA_DIR), else in ``./.eaglegen``, else where the user's pointer
+    (``~/.config/eaglegen/stack``, written by `up`) says."""
+    return find_stack(settings.data_dir, explicit="data_dir" in settings.model_fields_set)
+
+
+def no_stack(settings: Settings) -> str:
+    """Where the commands looked for a stack, for an error saying none was found."""
+    return f"no stack of `eaglegen up` found: {stack_search(settings).looked}"
 
 
 def parse_servers(values: list[str]) -> list[ServerSpec]:
@@ -137,6 +192,12 @@ def services(settings: Settings, *, check_database: bool = True) -> Services:
     """Postgres and Redis, once both proved usable (ValueError saying what to do if not)."""
     from eaglegen import preflight
 
+    if settings.database_url is None or settings.broker_url is None:
+        raise ValueError(
+            "no database/broker configured: run `eaglegen up` first, or set "
+            "EAGLEGEN_DATABASE_URL and EAGLEGEN_BROKER_URL (or pass --database-url/"
+            f"--broker-url); {no_stack(settings)}"
+        )
     resolved = settings.services()
     if check_database:
         preflight.check_database(resolved.database_url)
@@ -153,7 +214,8 @@ def database(settings: Settings, *, check_schema: bool = True) -> str:
 
     if settings.database_url is None:
         raise ValueError(
-            "no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up`"
+            "no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up` "
+            f"({no_stack(settings)})"
         )
     preflight.check_database(settings.database_url, schema=check_schema)
     return settings.database_url

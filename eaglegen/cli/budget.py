@@ -6,7 +6,6 @@ from dataclasses import asdict
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from core.names import check_name
 from eaglegen.cli.base import (
@@ -15,6 +14,7 @@ from eaglegen.cli.base import (
     DataDir,
     JsonFlag,
     command,
+    console,
     database,
     emit_json,
     err,
@@ -44,7 +44,7 @@ def show(
     if json_out:
         emit_json({"datasets": [asdict(r) for r in rows]})
     else:
-        Console().print(budget_table(rows))
+        console().print(budget_table(rows))
 
 
 @command(app, "set")
@@ -69,16 +69,34 @@ def set_budget(
         check_name("run", run)
     live = services(settings)
     with repository(live.database_url) as repo:
-        requeued = with_lock_retries(
-            lambda: repo.set_budget(run, dataset, budget), f"dataset {dataset!r}"
+        change = with_lock_retries(
+            lambda: repo.change_budget(run, dataset, budget), f"dataset {dataset!r}"
         )
-    if requeued:
+    if change.requeued:
         with Publisher(live.broker_url, settings.queue) as publisher:
             publisher.wake_feeder()
     if json_out:
-        emit_json({"dataset": dataset, "budget_tokens": budget, "requeued": len(requeued)})
+        emit_json(
+            {
+                "dataset": dataset,
+                "budget_tokens": budget,
+                "requeued": len(change.requeued),
+                "running_jobs": change.running_jobs,
+                "running_reserved_tokens": change.reserved_tokens,
+                "may_exceed_by": change.may_exceed_by,
+            }
+        )
     else:
         err.print(
-            f"{inline(dataset)}: budget {format_tokens(budget)}; {len(requeued)} skipped job(s) "
-            "queued again"
+            f"{inline(dataset)}: budget {format_tokens(budget)}; {len(change.requeued)} skipped "
+            "job(s) queued again"
+        )
+    if change.may_exceed_by:
+        # Requests in flight are not cancelled: they finish and settle what they use.
+        err.print(
+            f"[yellow]warning:[/] {change.running_jobs:,} job(s) are running holding "
+            f"{change.reserved_tokens:,} tokens; they will finish and may take "
+            f"{inline(dataset)} over the new budget by up to {change.may_exceed_by:,} tokens",
+            highlight=False,
+            soft_wrap=True,
         )

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
-from eaglegen.cli.base import JsonFlag, command, emit_json
+from eaglegen.cli.base import JsonFlag, command, console, emit_json
 from eaglegen.report.text import inline
 
 if TYPE_CHECKING:
@@ -27,19 +26,24 @@ def doctor(
         typer.Argument(help="RUN.toml: check for its model, tokenizer and template"),
     ] = None,
     max_new_tokens: Annotated[
-        int, typer.Option(min=16, help="Longest answer to the probe prompt")
-    ] = 1024,
+        int | None,
+        typer.Option(
+            min=16,
+            help="Longest answer to the probe prompt (default 8192: a reasoning model must "
+            "reach its think-end token within it); cut to what the server's context leaves",
+        ),
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Check that a server keeps the exact tokens a run needs; exit 1 if a check fails."""
-    from eaglegen.doctor import examine
+    from eaglegen.doctor import PROBE_MAX_NEW_TOKENS, examine
 
-    probe = _probe(run_file, max_new_tokens)
+    probe = _probe(run_file, max_new_tokens or PROBE_MAX_NEW_TOKENS)
     report = examine(server, probe)
     if json_out:
         emit_json(report.as_dict())
     else:
-        out = Console(highlight=False)
+        out = console(highlight=False)
         marks = {True: "[green]ok[/]  ", False: "[red]FAIL[/]", None: "[yellow]?[/]   "}
         for check in report.checks:
             out.print(f"{marks[check.ok]} {check.name}: {inline(check.detail)}")

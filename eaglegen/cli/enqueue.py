@@ -77,7 +77,7 @@ def enqueue(
     """Template every row with the model's chat template and enqueue one job per prompt.
 
     Exits 1 when a dataset has no row that is a job (an empty file, or every row rejected),
-    2 on an error.
+    2 on an error, 130 on Ctrl-C (saying what was stored: the same command goes on).
     """
     from eaglegen.report.enqueue import enqueue_table
     from producer.plan import plan_from_flags, plan_from_run_file
@@ -136,9 +136,16 @@ def _enqueue_or_explain(
 
     from core.urls import redact, scrub
     from producer.commands import run_enqueue
+    from producer.enqueue import EnqueueInterrupted
 
     try:
         return run_enqueue(settings, target, plan, workers=workers)
+    except EnqueueInterrupted as exc:  # Ctrl-C: what is stored stays, and the same command
+        err.print(inline(str(exc)), highlight=False, soft_wrap=True)  # goes on from there
+        raise typer.Exit(130) from exc
+    except KeyboardInterrupt as exc:  # before the run was set up: loading the tokenizer
+        err.print("interrupted before any job was stored", highlight=False)
+        raise typer.Exit(130) from exc
     except BrokenProcessPool as exc:
         raise ValueError(
             "a template worker process died (killed, or out of memory?). What was stored "

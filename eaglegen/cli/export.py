@@ -16,6 +16,7 @@ from eaglegen.cli.base import (
     DataDir,
     JsonFlag,
     command,
+    console,
     database,
     emit_json,
     err,
@@ -145,17 +146,64 @@ def export(
         trust_remote_code=trust_remote_code,
     )
     settings = load_settings(database_url=database_url, data_dir=data_dir)
-    with _export_repository(database(settings)) as repo:
-        found, previous, total = prepare(repo, request)
-        tokenizer = load_tokenizer(found, request)
-        if tokenizer is not None and not tokenizer.template_matches_run and not json_out:
-            err.print(
-                f"warning: the chat template at {inline(found.tokenizer_path)} is not the one "
-                "the run recorded (its sha256 differs): the round trip compares with it",
-                highlight=False,
-            )
-        result = _run(repo, request, found, previous, total, tokenizer, quiet=json_out)
+    url = database(settings)
+    before = _entries(out)
+    try:
+        with _export_repository(url) as repo:
+            found, previous, total = prepare(repo, request)
+            tokenizer = load_tokenizer(found, request)
+            if tokenizer is not None and not tokenizer.template_matches_run and not json_out:
+                err.print(
+                    f"warning: the chat template at {inline(found.tokenizer_path)} is not the "
+                    "one the run recorded (its sha256 differs): the round trip compares with it",
+                    highlight=False,
+                )
+            result = _run(repo, request, found, previous, total, tokenizer, quiet=json_out)
+    except Exception as exc:
+        from models.db import lost_database
+
+        reason = lost_database(exc)
+        if reason is None:
+            raise
+        raise ValueError(_lost(url, reason, request, sorted(_entries(out) - before))) from exc
     _report(result, request, json_out)
+
+
+def _entries(out: Path) -> set[str]:
+    """The names in the export folder (none when it does not exist), temporary ones aside."""
+    from exporter.files import TMP_PREFIX
+
+    if not out.is_dir():
+        return set()
+    return {p.name for p in out.iterdir() if not p.name.startswith(TMP_PREFIX)}
+
+
+# Shards a lost-database error names; the rest are counted.
+_NAMED_SHARDS = 5
+
+
+def _lost(url: str, reason: str, request: ExportRequest, written: list[str]) -> str:
+    """What a lost database leaves behind and what to do, in one sentence. ``written``:
+    the complete shards this pass wrote before it (a shard cut short is removed)."""
+    from core.urls import redact, scrub
+
+    head = f"lost Postgres at {redact(url)} during the export: {scrub(reason, url)}"
+    out = inline(str(request.out))
+    if not written:
+        return f"{head}. Nothing was written to {out}: run the export again"
+    names = ", ".join(map(inline, written[:_NAMED_SHARDS]))
+    if len(written) > _NAMED_SHARDS:
+        names += f" and {len(written) - _NAMED_SHARDS} more"
+    shards = f"{len(written)} complete shard(s) were written to {out} ({names})"
+    if request.incremental:
+        return (
+            f"{head}. {shards}, but its manifest.json does not list them (the export there "
+            "is as it was): remove them and run the export with --incremental again"
+        )
+    return (
+        f"{head}. {shards}, but no manifest.json: they are no export yet; remove them and "
+        "run the export again"
+    )
 
 
 def _writer(jsonl: bool, hf_dataset: bool, *, conversations: bool) -> str:
@@ -206,7 +254,6 @@ def _run(
     quiet: bool,
 ) -> ExportResult:
     """The export, with a progress bar on stderr unless ``quiet``."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     from exporter.export import run_export
@@ -217,7 +264,7 @@ def _run(
         MofNCompleteColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True, disable=quiet) as bar:
+    with Progress(*columns, console=console(stderr=True), transient=True, disable=quiet) as bar:
         task = bar.add_task(f"export {inline(run.name)}", total=total or None)
         return run_export(
             repo, request, run, previous, lambda n: bar.advance(task, n), tokenizer=tokenizer

@@ -6,7 +6,15 @@ from typing import Annotated
 
 import typer
 
-from eaglegen.cli.base import BrokerUrl, DataDir, FlowerLogin, command, err, load_settings
+from eaglegen.cli.base import (
+    BrokerUrl,
+    DataDir,
+    FlowerLogin,
+    command,
+    err,
+    load_settings,
+    no_stack,
+)
 
 app = typer.Typer()
 
@@ -28,7 +36,8 @@ def flower(
     settings = load_settings(broker_url=broker_url, data_dir=data_dir)
     if settings.broker_url is None:
         raise ValueError(
-            "no broker: set EAGLEGEN_BROKER_URL, pass --broker-url or run `eaglegen up`"
+            "no broker: set EAGLEGEN_BROKER_URL, pass --broker-url or run `eaglegen up` "
+            f"({no_stack(settings)})"
         )
     launch = stack.flower_launch(
         settings.broker_url, address, port, basic_auth, flag="--basic-auth"

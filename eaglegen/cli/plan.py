@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -19,6 +19,7 @@ from eaglegen.cli.base import (
     DataDir,
     JsonFlag,
     command,
+    console,
     database,
     emit_json,
     err,
@@ -97,7 +98,7 @@ def plan(
     if json_out:
         emit_json(plan_document(result, snapshot.now))
     else:
-        Console().print(plan_view(result, snapshot.now))
+        console().print(plan_view(result, snapshot.now))
     for warning in warnings(result, settings.servers):
         err.print(f"[yellow]warning:[/] {inline(warning)}", highlight=False, soft_wrap=True)
 

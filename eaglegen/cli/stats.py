@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
 from core.names import check_name
 from eaglegen.cli.base import (
@@ -18,6 +17,7 @@ from eaglegen.cli.base import (
     DataDir,
     JsonFlag,
     command,
+    console,
     database,
     emit_json,
     err,
@@ -90,7 +90,7 @@ def stats(
     if json_out:
         emit_json(report.document())
     else:
-        Console().print(terminal(report))
+        console().print(terminal(report))
     _write_files(report, html, plots)
 
 
@@ -169,10 +169,10 @@ def _print_views(
         documents = [v.document() for v in views]
         emit_json(documents[0] if single else {"run": run.name, "samples": documents})
         return
-    console = Console()
+    out = console()
     think_end = vocab.token(run.think_end_id, THINK_END)
     for v in views:
-        console.print(render(v, think_end), highlight=False)
+        out.print(render(v, think_end), highlight=False)
 
 
 @contextmanager
@@ -243,11 +243,11 @@ def _progress(*, quiet: bool) -> Iterator[Callable[[int], None]]:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = (SpinnerColumn(), TextColumn("{task.description} {task.completed:,}"))
-    console = Console(stderr=True)
+    bar_console = console(stderr=True)
     # Off when stderr is no terminal: a live display there leaves an empty line behind.
-    off = quiet or not console.is_terminal
+    off = quiet or not bar_console.is_terminal
     with Progress(
-        *columns, TimeElapsedColumn(), console=console, transient=True, disable=off
+        *columns, TimeElapsedColumn(), console=bar_console, transient=True, disable=off
     ) as bar:
         task = bar.add_task("tool-call checks: generations dissected", total=None)
         yield lambda n: bar.advance(task, n)

@@ -7,22 +7,27 @@ import functools
 import signal
 import threading
 import time
+from collections.abc import Callable
+from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.text import Text
 
 from core import heartbeat
 from core.heartbeat import Heartbeat
 from core.names import check_name
 from core.settings import Settings
+from core.urls import redact, scrub
 from eaglegen.cli.base import (
     BrokerUrl,
     DatabaseUrl,
     DataDir,
     JsonFlag,
     command,
+    console,
     database,
     emit_json,
     err,
@@ -53,22 +58,34 @@ def status(
 ) -> None:
     """Jobs by state, tokens, budgets, rates and ETA per dataset; servers; the run's ETA."""
     from eaglegen.report.status import connections_warning, status_document, status_view
+    from models.db import lost_database
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     name = None if run is None else check_name("run", run)
-    with repository(database(settings)) as repo:
+    url = database(settings)
+    with repository(url) as repo:
         if watch and not json_out:
-            _watch(lambda: _view(settings, repo.status(name)), interval)
+            out = console()
+            refresh = Refresh(
+                lambda: _view(settings, repo.status(name)), url, interval, keep=out.is_terminal
+            )
+            _watch(refresh, interval, out)
             return
-        snapshot = repo.status(name)
-        in_use, limit = repo.postgres_connections()
+        try:
+            snapshot = repo.status(name)
+            in_use, limit = repo.postgres_connections()
+        except Exception as exc:
+            reason = lost_database(exc)
+            if reason is None:
+                raise
+            raise ValueError(f"lost Postgres at {redact(url)}: {scrub(reason, url)}") from exc
     beats = _beats(settings.broker_url)
     if json_out:
         document = status_document(snapshot, beats, _redis_state(settings, beats))
         document["postgres_connections"] = {"in_use": in_use, "max": limit}
         emit_json(document)
     else:
-        Console().print(status_view(snapshot, beats, _redis_state(settings, beats)))
+        console().print(status_view(snapshot, beats, _redis_state(settings, beats)))
     warnings = [
         connections_warning(in_use, limit),
         broker_warning(settings.broker_url),
@@ -131,10 +148,64 @@ def _view(settings: Settings, snapshot: StatusSnapshot) -> Group:
     return status_view(snapshot, beats, _redis_state(settings, beats))
 
 
-def _watch(view: Any, interval: float) -> None:
-    """Redraw ``view()`` every ``interval`` seconds until Ctrl-C (which ends it cleanly)."""
+class Refresh:
+    """What `status --watch` shows at each refresh: the view, with the time it was read.
+    While Postgres cannot be reached, a line saying so and since when instead (each refresh
+    tries again), above the last view read when ``keep`` (a terminal redraws in place; a
+    log gets the line alone)."""
+
+    def __init__(
+        self, view: Callable[[], RenderableType], url: str, interval: float, *, keep: bool
+    ) -> None:
+        self.view = view
+        self.url = url
+        self.interval = interval
+        self.keep = keep
+        self.lost_since: datetime | None = None
+        self.last: RenderableType | None = None
+
+    def __call__(self) -> RenderableType:
+        from models.db import lost_database
+
+        now = datetime.now().astimezone()
+        try:
+            view = self.view()
+        except Exception as exc:
+            reason = lost_database(exc)
+            if reason is None:
+                raise
+            return self._lost(now, scrub(reason, self.url))
+        self.lost_since = None
+        self.last = Group(Text(f"status at {_clock(now)}", style="dim"), view)
+        return self.last
+
+    def _lost(self, now: datetime, reason: str) -> RenderableType:
+        if self.lost_since is None:
+            self.lost_since = now
+        line = Text.assemble(
+            (f"{_clock(now)} Postgres at {redact(self.url)} unreachable", "bold red"),
+            f" since {_clock(self.lost_since)} ({reason}); retrying every "
+            f"{self.interval:g} s until it answers or Ctrl-C",
+        )
+        if self.keep and self.last is not None:
+            return Group(line, self.last)
+        return line
+
+
+def _clock(at: datetime) -> str:
+    return at.isoformat(sep=" ", timespec="seconds")
+
+
+def _watch(view: Callable[[], RenderableType], interval: float, out: Console) -> None:
+    """Show ``view()`` every ``interval`` seconds until Ctrl-C (which ends it cleanly):
+    redrawn in place on a terminal, one after the other on a file or a pipe (a log)."""
     try:
-        with Live(view(), auto_refresh=False, screen=False) as live:
+        if not out.is_terminal:
+            while True:
+                out.print(view())
+                out.print()
+                time.sleep(interval)
+        with Live(view(), console=out, auto_refresh=False, screen=False) as live:
             while True:
                 time.sleep(interval)
                 live.update(view(), refresh=True)

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from core.settings import Settings
 from eaglegen.cli.base import (
     BrokerUrl,
     DatabaseUrl,
@@ -32,7 +33,10 @@ def worker(
     concurrency: Annotated[
         int | None,
         typer.Option(
-            min=1, envvar="EAGLEGEN_WORKER_CONCURRENCY", help="Threads (in-flight requests)"
+            min=1,
+            envvar="EAGLEGEN_WORKER_CONCURRENCY",
+            help="Threads: requests in flight at once (default "
+            f"{Settings.model_fields['worker_concurrency'].default})",
         ),
     ] = None,
     numa_node: Annotated[

@@ -16,9 +16,11 @@ body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200p
        color: #1d1d1f; padding: 0 1em; }
 h1 { font-size: 1.6em; margin-bottom: 0.2em; }
 h2 { font-size: 1.15em; margin-top: 2em; }
-table { border-collapse: collapse; margin: 0.5em 0; }
+.scroll { max-width: 100%; overflow-x: auto; margin: 0.5em 0; }
+table { border-collapse: collapse; }
 th, td { padding: 0.25em 0.7em; border-bottom: 1px solid #ddd; text-align: right;
          white-space: nowrap; }
+th { white-space: normal; vertical-align: bottom; }
 th:first-child, td:first-child { text-align: left; }
 th { background: #f4f4f6; }
 tr.total td { font-weight: 600; }
@@ -41,9 +43,10 @@ def _table(columns: Columns) -> str:
         css = ' class="total"' if i == len(columns.rows) - 1 else ""
         cells = "".join(f"<td>{_text(c)}</td>" for c in row)
         body.append(f"<tr{css}>{cells}</tr>")
+    # In a box of its own that scrolls sideways: a wide table never widens the page.
     return (
-        f"<h2>{_text(columns.title)}</h2>\n<table><thead><tr>{head}</tr></thead>"
-        f"<tbody>{''.join(body)}</tbody></table>"
+        f'<h2>{_text(columns.title)}</h2>\n<div class="scroll"><table><thead><tr>{head}</tr>'
+        f"</thead><tbody>{''.join(body)}</tbody></table></div>"
     )
 
 

@@ -128,8 +128,17 @@ def reasoning_split(datasets: Sequence[Figures]) -> Figure:
     return figure
 
 
+def scatter_scope(report: Report) -> str:
+    """Which generations the scatter plot shows: all of them, or a seeded sample."""
+    shown, total = len(report.points), report.total.sql.generations
+    if shown >= total:
+        return f"all {total:,} generations"
+    return f"a seeded sample of {shown:,} of {total:,} generations"
+
+
 def prompt_vs_completion(report: Report) -> Figure:
-    """Prompt against completion length of a seeded sample of generations."""
+    """Prompt against completion length of every generation, or of a seeded sample of
+    them when there are more than the report draws (eaglegen.report.stats.SCATTER_POINTS)."""
     figure = Figure(figsize=(7, 5), layout="constrained")
     ax = figure.subplots()
     names = [f.name for f in report.datasets]
@@ -142,6 +151,6 @@ def prompt_vs_completion(report: Report) -> Figure:
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("completion tokens")
-    ax.set_title(f"Prompt vs completion ({len(report.points):,} sampled generations)")
+    ax.set_title(f"Prompt vs completion ({scatter_scope(report)})")
     ax.legend(fontsize=8, markerscale=2)
     return figure

@@ -1,5 +1,10 @@
 """Rates and ETAs from a status snapshot. Pure: numbers in, numbers out.
 
+A window's rate divides by the time the work in it spans (``window_span``): from the start
+of its earliest generation to now, the whole window once work has filled it. Dividing a
+run's first minute by the whole 10 minutes would make its rate ten times too low, and its
+ETA ten times too long.
+
 A dataset is finished when none of its jobs is queued or running, or when its budget is
 spent (the rest are then skipped). Its ETA is the earlier of the two at its rate over the
 longest window. The run's ETA divides the completion tokens every dataset still needs by
@@ -25,12 +30,14 @@ class Rate:
     completion_tok_s: float
     completions_per_min: float
     prompt_tok_s: float
+    span_s: float  # the seconds it is over
 
     def as_dict(self) -> dict[str, float]:
         """The JSON form."""
         return {
             "completion_tok_s": round(self.completion_tok_s, 3),
             "completions_per_min": round(self.completions_per_min, 3),
+            "span_s": round(self.span_s, 1),
         }
 
 
@@ -48,14 +55,29 @@ class Progress:
     finished: str | None  # why it is finished, or None
 
 
+# The least a windowed rate divides by: a run's first generations may end within an instant
+# of their start as recorded (a server that leaves e2e_latency out reports 0).
+MIN_SPAN_S = 1.0
+
+
+def window_span(window: Window) -> float:
+    """The seconds a window's rate divides by: the part of the window its work spans (from
+    the start of its earliest generation to now), so less than the window in a run's first
+    minutes or after a pause; the whole window when it holds no generation."""
+    if window.covered_s is None:
+        return float(window.seconds)
+    return min(float(window.seconds), max(window.covered_s, MIN_SPAN_S))
+
+
 def window_rate(window: Window) -> Rate:
-    """The rate over one window."""
-    span = float(window.seconds)
+    """The rate over one window, over the time its work spans."""
+    span = window_span(window)
     return Rate(
         label=_label(window.seconds),
         completion_tok_s=window.completion_tokens / span,
         completions_per_min=window.completions * 60.0 / span,
         prompt_tok_s=window.prompt_tokens / span,
+        span_s=span,
     )
 
 
@@ -70,6 +92,7 @@ def whole_run_rate(dataset: DatasetStatus) -> Rate | None:
         completion_tok_s=dataset.done_completion_tokens / span,
         completions_per_min=dataset.states["done"] * 60.0 / span,
         prompt_tok_s=dataset.done_prompt_tokens / span,
+        span_s=span,
     )
 
 
@@ -238,9 +261,12 @@ def _n_windows(datasets: Sequence[DatasetStatus]) -> int:
 
 
 def _sum_windows(windows: Sequence[Window]) -> Window:
+    """The windows of datasets run side by side: their work spans from the earliest start."""
+    covered = [w.covered_s for w in windows if w.covered_s is not None]
     return Window(
         seconds=windows[0].seconds,
         completions=sum(w.completions for w in windows),
         completion_tokens=sum(w.completion_tokens for w in windows),
         prompt_tokens=sum(w.prompt_tokens for w in windows),
+        covered_s=max(covered, default=None),
     )

@@ -8,7 +8,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Group
+from rich.constrain import Constrain
 from rich.rule import Rule
 from rich.text import Text
 
@@ -115,8 +117,10 @@ def render(v: SampleView, think_end: str) -> Group:
     title = f"job {v.job_id} · dataset {v.dataset} · run {v.run} · {v.state}" + (
         f" · finish {v.finish_type} · {v.completion_tokens:,} tokens" if v.generated else ""
     )
+    heading = visible(title)
     parts: list[Any] = [
-        Rule(Text(visible(title)), align="left"),
+        # As wide as its title, not as the console: on a pipe the console has no width.
+        Constrain(Rule(Text(heading), align="left"), width=max(80, cell_len(heading) + 6)),
         _heading("prompt", f"(last {v.prompt_tail_tokens} of {v.prompt_tokens:,} tokens)"),
         block(v.prompt_tail),
     ]

@@ -122,6 +122,8 @@ def _dataset_doc(d: DatasetStatus, progress: Progress, snapshot: StatusSnapshot)
             "used": d.used_tokens,
             "reserved": d.reserved_tokens,
             "left": progress.budget_left,
+            "reserve": d.reserve,
+            "reserve_per_job": d.reserve_tokens,
         },
         **_progress_doc(progress, snapshot),
     }
@@ -177,6 +179,14 @@ def _rate(doc: dict[str, Any], label: str, key: str = "completion_tok_s") -> str
     return "-" if rate is None else f"{rate[key]:,.1f}"
 
 
+def _span(doc: dict[str, Any], label: str = "10m") -> str:
+    """What a rate is over: the last 10 min, or the seconds its work spans when less."""
+    rate = doc["rates"].get(label)
+    if rate is None or rate["span_s"] >= 600:
+        return "the last 10 min"
+    return f"the last {format_eta(rate['span_s'])}"
+
+
 def _eta(doc: dict[str, Any]) -> str:
     return format_eta(doc["eta_s"], doc["finished"])
 
@@ -208,7 +218,8 @@ def _datasets_table(document: dict[str, Any]) -> Table:
 
 def _budgets_table(document: dict[str, Any]) -> Table:
     table = Table(title="budgets (tokens)", title_justify="left")
-    for name in ("run", "dataset", "basis", "budget", "used", "reserved", "left", "prompt tok"):
+    columns = ("run", "dataset", "basis", "budget", "used", "reserved", "per job", "left")
+    for name in (*columns, "prompt tok"):
         table.add_column(name, justify="left" if name in ("run", "dataset", "basis") else "right")
     for d in document["datasets"]:
         b = d["budget"]
@@ -219,10 +230,18 @@ def _budgets_table(document: dict[str, Any]) -> Table:
             format_tokens(b["tokens"]),
             f"{b['used']:,}",
             f"{b['reserved']:,}",
+            _per_job(b),
             "-" if b["left"] is None else f"{max(b['left'], 0):,}",
             f"{d['prompt_tokens']:,}",
         )
     return table
+
+
+def _per_job(budget: dict[str, Any]) -> str:
+    """What a job's claim reserves: its completion tokens and the policy (docs/design.md §4)."""
+    tokens = budget.get("reserve_per_job")
+    policy = str(budget.get("reserve", "")).replace("_", " ")
+    return policy if tokens is None else f"{tokens:,} {policy}"
 
 
 def _servers_table(document: dict[str, Any], *, known: bool) -> Table:
@@ -271,7 +290,7 @@ def _run_line(run: dict[str, Any]) -> Text:
         line.append(f"order seed {run['order_seed']}; ")
     line.append(
         f"{jobs['done']:,} of {jobs['total']:,} jobs done, {jobs['failed']:,} failed, "
-        f"{jobs['skipped_budget']:,} skipped; {_rate(run, '10m')} tok/s over 10 min; "
+        f"{jobs['skipped_budget']:,} skipped; {_rate(run, '10m')} tok/s over {_span(run)}; "
     )
     if run["finished"]:
         line.append("finished", style="green")

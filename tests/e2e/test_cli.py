@@ -15,6 +15,8 @@ import pytest
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.stack import free_port
+from models.records import DatasetSpec, NewJob, RunSpec
+from models.repository import Repository
 from tests.helpers import sample_rows, write_jsonl
 
 pytestmark = pytest.mark.e2e
@@ -179,6 +181,9 @@ def test_demo_runs_end_to_end_on_embedded_services(tmp_path: Path) -> None:
     assert summary["completion_tokens"] > 0 and summary["tokens_per_s"] > 0
     assert summary["data_dir"] == str((tmp_path / "demo").resolve())
     assert (tmp_path / "demo" / "postgres" / "PG_VERSION").is_file()  # the data stays
+    # Its embedded services are stopped: no URL to them, but how to serve the data again.
+    assert summary["database"] is None and "postgresql" not in summary["summary_line"]
+    assert f"`eaglegen up --data-dir {tmp_path / 'demo'}` serves it" in summary["summary_line"]
 
 
 @pytest.mark.parametrize(
@@ -208,6 +213,7 @@ def test_up_through_a_pipe_returns(tmp_path: Path) -> None:
     data_dir = tmp_path / "stack"
     port = str(free_port())
     base = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
+    base["XDG_CONFIG_HOME"] = str(tmp_path / "config")  # `up` records the stack there
     try:
         # As `eaglegen up 2>&1 | tail` does: the pipe ends only when every process holding
         # it has closed it, so a daemon that inherited it would make this time out.
@@ -224,7 +230,7 @@ def test_up_through_a_pipe_returns(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stdout
         assert "broker_url: redis://127.0.0.1:" in result.stdout
     finally:
-        stopped = eaglegen("down", "--data-dir", str(data_dir))
+        stopped = eaglegen("down", "--data-dir", str(data_dir), env=base)
     assert "flower, redis, postgres" in stopped.stderr
 
 
@@ -289,3 +295,40 @@ def test_an_invalid_setting_is_one_line_naming_it(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.startswith("error: broker_url: Value error, broker url must be")
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_output_to_a_pipe_is_neither_cut_nor_wrapped(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    # What a log of `nohup eaglegen status` or `| tee` holds: stdout and stderr are pipes.
+    name = "dataset-" + "x" * 150 + "-end"
+    run_id = repo.ensure_run(RunSpec("r", "tok", "a" * 64, "b" * 64, "m"))
+    dataset = repo.ensure_dataset(run_id, DatasetSpec(name, "s", {"max_new_tokens": 8}))
+    repo.insert_jobs(dataset, [NewJob(0, [1, 2, 3], {})])
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
+    base.pop("COLUMNS", None)
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "eaglegen", *args],
+            env={**base, **service_env(settings), **extra},
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+
+    status = run("status")
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert len([line for line in lines if name in line]) == 2  # jobs and budgets, each whole
+    header = next(line for line in lines if "done/min 10m" in line)
+    assert "skipped_budget" in header and "ETA" in header
+    assert "…" not in status.stdout
+    # stderr: a long path stays on its line.
+    out = tmp_path / ("folder-" + "y" * 120) / "export"
+    export = run("export", "r", str(out))
+    assert export.returncode == 0, export.stderr
+    [said] = [line for line in export.stderr.splitlines() if line.startswith("exported ")]
+    assert said.endswith(f"manifest {out / 'manifest.json'}")
+    # COLUMNS, when set, is the width.
+    narrow = run("status", COLUMNS="70")
+    assert narrow.returncode == 0, narrow.stderr
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 70

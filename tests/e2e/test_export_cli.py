@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from core.settings import Settings
+from core.urls import redact
 from eaglegen.assets import TOKENIZER_DIR
 from models.repository import Repository
 from tests.e2e.test_cli import eaglegen, service_env
+from tests.helpers import libpq_url
 from tests.integration.test_export import recorded_run
 from tests.integration.test_export_conversations import record_rows
+from tests.outage import PATIENCE_S, holds_lock, lock_waiter, outage, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -117,3 +126,100 @@ def test_a_missing_tokenizer_is_one_line(
     only_valid = eaglegen("export", "run", str(tmp_path / "out"), "--only-valid", env=env)
     assert only_valid.returncode == 2 and "/tok" in one_line_error(only_valid.stderr)
     assert eaglegen("export", "run", str(tmp_path / "out"), env=env).returncode == 0
+
+
+def export_process(out: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "eaglegen", "export", "run", str(out), *args],
+        env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_an_export_that_loses_postgres_before_writing_says_so_in_one_line(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    recorded_run(repo, {"d": [(4, 6, "stop")] * 3})
+    url = settings.services().database_url
+    out = tmp_path / "out"
+    # The scan waits for a lock the test holds; Postgres goes away while it waits (and the
+    # outage ends the holder's session too).
+    holder = psycopg.connect(libpq_url(url))
+    try:
+        holder.execute("LOCK TABLE generations IN ACCESS EXCLUSIVE MODE")
+        export = export_process(out, service_env(settings))
+        wait_for(lambda: lock_waiter(url, "generations"), "the export's scan to wait")
+        with outage(url):
+            _, stderr = export.communicate(timeout=PATIENCE_S)
+    finally:
+        holder.close()
+    assert export.returncode == 2, stderr
+    line = one_line_error(stderr)
+    assert f"lost Postgres at {redact(url)} during the export: " in line
+    assert line.endswith(f"Nothing was written to {out}: run the export again")
+    assert not out.exists() or not any(out.iterdir())  # no shard, no temporary file
+
+
+def test_an_export_that_loses_postgres_names_the_shards_it_wrote_in_one_line(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    # Prompts of 2,000 ids: the rows fill more shards of the smallest size than the error
+    # names one by one.
+    recorded_run(repo, {"d": [(2000, 6, "stop")] * 12})
+    url = settings.services().database_url
+    env = service_env(settings)
+    out = tmp_path / "out"
+    args = ("--datasets", "d", "--shard-mb", "0.000001")  # --datasets: a read after the scan
+    # Step by step, each step waiting for the one before (no timing): the export's scan
+    # starts and holds its locks while the export is stopped; a lock on datasets is queued
+    # behind them; the export goes on, writes every shard, and waits behind that lock for
+    # its last read, before the manifest. Then Postgres goes away.
+    holder = psycopg.connect(libpq_url(url))
+    locker = psycopg.connect(libpq_url(url))
+    queued: list[BaseException] = []
+
+    def lock_datasets() -> None:
+        try:
+            locker.execute("LOCK TABLE datasets IN ACCESS EXCLUSIVE MODE")
+        except psycopg.Error as exc:  # ended by the outage
+            queued.append(exc)
+
+    try:
+        holder.execute("LOCK TABLE generations IN ACCESS EXCLUSIVE MODE")
+        export = export_process(out, env, *args)
+        scan = wait_for(lambda: lock_waiter(url, "generations"), "the export's scan to wait")
+        os.kill(export.pid, signal.SIGSTOP)
+        holder.commit()
+        wait_for(lambda: holds_lock(url, scan, "datasets"), "the scan to hold its locks")
+        thread = threading.Thread(target=lock_datasets)
+        thread.start()
+        wait_for(lambda: lock_waiter(url, "datasets"), "the lock on datasets to queue")
+        os.kill(export.pid, signal.SIGCONT)
+        wait_for(
+            lambda: (
+                lock_waiter(url, "datasets") == scan and not holds_lock(url, scan, "generations")
+            ),
+            "the export's last read to wait",
+        )
+        written = sorted(p.name for p in out.iterdir())
+        with outage(url):
+            _, stderr = export.communicate(timeout=PATIENCE_S)
+            thread.join(timeout=PATIENCE_S)
+    finally:
+        holder.close()
+        locker.close()
+    assert export.returncode == 2, stderr
+    assert len(written) > 5 and written == [f"train-{i:05d}.parquet" for i in range(len(written))]
+    line = one_line_error(stderr)
+    assert f"lost Postgres at {redact(url)} during the export: " in line
+    assert (
+        f"{len(written)} complete shard(s) were written to {out} ({', '.join(written[:5])} "
+        f"and {len(written) - 5} more), but no manifest.json: they are no export yet; remove "
+        "them and run the export again"
+    ) in line
+    assert sorted(p.name for p in out.iterdir()) == written  # as they were: no manifest
+    for name in written:
+        (out / name).unlink()
+    again = eaglegen("export", "run", str(out), *args, "--json", env=env)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["rows"] == 12

@@ -82,7 +82,20 @@ def test_the_html_report_renders_in_chromium_with_names_as_text(
         images = browser.find_elements(By.TAG_NAME, "img")
         loaded = [browser.execute_script("return arguments[0].naturalWidth", i) for i in images]
         italics = browser.find_elements(By.TAG_NAME, "i")
+        # In a narrow window the widest table scrolls inside its own box; the page does not.
+        browser.set_window_size(600, 1000)
+        page_overflow = browser.execute_script(
+            "const root = document.documentElement; return root.scrollWidth - root.clientWidth"
+        )
+        boxes = browser.execute_script(
+            "const right = document.documentElement.clientWidth;"
+            "return [...document.querySelectorAll('div.scroll')].map(b => "
+            "[b.scrollWidth > b.clientWidth, b.getBoundingClientRect().right <= right])"
+        )
     (tmp_path / "report-screenshot.png").write_bytes(shot)
+    assert page_overflow == 0
+    assert len(boxes) == 4 and all(inside for _, inside in boxes)
+    assert any(scrolls for scrolls, _ in boxes)  # the completion table is wider than 600 px
     assert spread(shot) > 10
     assert "edge" in text and HOSTILE in text and "lack `</think>`" in text
     assert len(images) == len(PLOTS) and all(w > 100 for w in loaded)

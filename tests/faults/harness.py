@@ -71,8 +71,10 @@ def seed_jobs(
     dataset: str = "d",
     max_new_tokens: int = 16,
     budget: int | None = None,
+    reserve: str | None = None,
 ) -> list[int]:
-    """Insert ``n`` jobs and wake the feeder: what `eaglegen enqueue` does, untemplated."""
+    """Insert ``n`` jobs and wake the feeder: what `eaglegen enqueue` does, untemplated
+    (``reserve``: the dataset's reserve policy, None: the default)."""
     assert settings.broker_url is not None
     repo = make_repo(settings)
     try:
@@ -87,7 +89,9 @@ def seed_jobs(
             )
         )
         sampling = complete({"max_new_tokens": max_new_tokens}, [IDS.im_end])
-        spec = DatasetSpec(dataset, f"{dataset}.jsonl", sampling, budget_tokens=budget)
+        spec = DatasetSpec(
+            dataset, f"{dataset}.jsonl", sampling, budget_tokens=budget, reserve=reserve
+        )
         dataset_id = repo.ensure_dataset(run_id, spec)
         salt = zlib.crc32(dataset.encode())
         jobs = [

@@ -83,6 +83,29 @@ def test_without_a_run_file_the_generic_checks_run(tmp_path: Path) -> None:
     assert text.returncode == 0 and "ok   completion count" in text.stdout
 
 
+def test_a_model_that_thinks_for_thousands_of_tokens_gets_its_think_end_checked(
+    tmp_path: Path,
+) -> None:
+    # A reasoning model thinks long even about 17 + 25: the probe's default answer length
+    # must reach the think-end token, or the check can only say "?" (1,024 did not).
+    thinker = replace(GOOD, mean_output_tokens=3000, output_length_sigma=0.05)
+    with SimServer(thinker) as sim:
+        code, document = doctor(sim, str(run_file(tmp_path)))
+    assert code == 0, document
+    [special] = [c for c in document["checks"] if c["check"] == "special tokens"]
+    assert special["ok"] is True, special
+    [generate] = [c for c in document["checks"] if c["check"] == "generate"]
+    assert int(generate["detail"].split(" returned ")[1].split()[0]) > 1024
+
+
+def test_the_probe_fits_a_short_context(tmp_path: Path) -> None:
+    # SGLang refuses a prompt plus max_new_tokens that reaches its context length: the
+    # probe asks for no more than the context leaves.
+    with SimServer(replace(GOOD, context_length=2048)) as sim:
+        code, document = doctor(sim, str(run_file(tmp_path)))
+    assert code == 0 and verdicts(document)["generate"] is True, document
+
+
 def test_an_unreachable_server_is_one_failed_line(tmp_path: Path) -> None:
     done = eaglegen("doctor", "--server", "http://127.0.0.1:9")
     assert done.returncode == 1

@@ -255,3 +255,23 @@ def test_a_run_whose_tokenizer_is_gone_is_refused(repo: InspectRepository, tmp_p
     with pytest.raises(ValueError, match="/nowhere/tokenizer is not a folder"):
         export(repo, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_integer_beyond_64_bits_in_a_message_is_exported_exactly(
+    settings: Settings, repo: InspectRepository, tmp_path: Path
+) -> None:
+    """JSON has no integer limit and the job stores the messages as written; orjson refuses
+    integers beyond 64 bits, and one such row stopped the whole export."""
+    huge = 123_456_789_012_345_678_901_234_567_890
+    rows = sample_rows(4)
+    odd = {"messages": [{"role": "user", "content": "Big numbers?", "ticket": huge}]}
+    text = tmp_path / "d.jsonl"
+    assert generate(settings, repo, text, [odd, *rows], max_new_tokens=64) == 5
+    out = tmp_path / "out"
+    manifest = export(repo, out, filters=Filters(exclude_truncated=False)).manifest
+    exported = lines(out, manifest)
+    assert len(exported) == manifest["rows"] == 5
+    [row] = [r for r in exported if r["metadata"]["row_index"] == 0]
+    assert row["conversations"][0] == {"role": "user", "content": "Big numbers?", "ticket": huge}
+    files = [out / name for name in shard_files(manifest)]
+    assert any(str(huge) in path.read_text() for path in files)  # written out, not rounded

@@ -4,6 +4,7 @@ dataset's seeded order, datasets side by side, and never publishes a spent budge
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -167,6 +168,27 @@ def test_a_budget_keeps_a_uniform_sample_of_a_sorted_file(
     critical = 1.63 / math.sqrt(len(done))  # alpha = 0.01
     assert ks_uniform(done, n) < critical, (ks_uniform(done, n), critical, done)
     assert ks_uniform(list(range(len(done))), n) > critical  # the file-order prefix fails
+
+
+def test_a_steady_run_logs_changes_of_state_not_a_line_per_pass(
+    settings: Settings, repo: InspectRepository, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A window of 8 for 200 jobs: at least 25 passes publish (one tops the window up to 8
+    # at most). The feeder says when it takes the queue, starts and stops publishing, and
+    # when a budget is spent; what it did in between, at most every ten minutes.
+    small = settings.model_copy(update={"window": 8})
+    enqueue(small, tmp_path, {"open": (200, None), "capped": (40, 160)})
+    caplog.set_level(logging.INFO, logger="worker")  # the Celery test worker sets ERROR on root
+    with in_thread_worker(small):
+        states = wait_settled(repo, timeout_s=120)
+    assert states["done"] >= 200 and states["skipped_budget"] > 0, states
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("worker.")]
+    feeder_lines = [line for line in lines if line.startswith("feeder: ")]
+    print(*lines, sep="\n")
+    assert 0 < len(feeder_lines) <= 8, feeder_lines
+    spent = [line for line in feeder_lines if "spent its budget" in line]
+    assert len(spent) == 1 and "dataset 'capped' of run 'r'" in spent[0], feeder_lines
+    assert len(lines) <= 12, lines  # the worker's other lines: changes of state too
 
 
 def ks_uniform(indexes: list[int], n: int) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,8 @@ from tests.helpers import (
     wait_settled,
     write_jsonl,
 )
+from tests.integration.test_worker_processes import wait_for, worker_env, worker_process
+from tests.sockets import HangUpServer
 from tests.workers import in_thread_worker
 from worker.app import nodename
 from worker.celeryconfig import make_celery
@@ -331,3 +334,116 @@ def test_a_failed_job_is_a_failure_with_its_reason_and_flower_metrics_count_it(
         assert task["exception"] == f"JobFailed({reason!r})"
         assert task["traceback"] is None
         assert task["result"] is None
+
+
+def _workers(fl: Flower) -> dict[str, dict[str, Any]]:
+    """Flower's workers table (its /workers page as JSON), by worker name: each with its
+    ``active`` count and its event counts (``task-received`` is the "Processed" column)."""
+    body = fl.http.get("/workers", params={"json": 1}).json()
+    return {w["hostname"]: w for w in body["data"]}
+
+
+def _tasks_of(fl: Flower, node: str) -> list[dict[str, Any]]:
+    """The tasks Flower last saw on worker ``node``."""
+    return [t for t in fl.tasks().values() if t.get("worker") == node]
+
+
+def _states_of(fl: Flower, node: str) -> list[str]:
+    return [str(t.get("state")) for t in _tasks_of(fl, node)]
+
+
+def _count(fl: Flower, node: str, state: str) -> int:
+    return _states_of(fl, node).count(state)
+
+
+def _stopped_cleanly(fl: Flower, node: str) -> bool:
+    """Flower shows the stopped worker offline with nothing active, and none of its tasks
+    received or running."""
+    worker = _workers(fl).get(node)
+    if not worker or worker["status"] or worker["active"] != 0:
+        return False
+    return not {"RECEIVED", "STARTED"} & set(_states_of(fl, node))
+
+
+def _worker_env(settings: Settings, url: str, grace_s: float) -> dict[str, str]:
+    return {
+        **worker_env(settings, [{"name": SERVER, "url": url}]),
+        "EAGLEGEN_SHUTDOWN_GRACE_S": f"{grace_s:g}",
+    }
+
+
+def test_a_worker_stopped_with_requests_in_flight_leaves_no_task_active_in_flower(
+    fast: Settings,
+    repo: InspectRepository,
+    tmp_path: Path,
+    sim: SimServer,
+    faults: Callable[..., None],
+) -> None:
+    # Requests far longer than the grace period: the worker gives the four jobs it runs
+    # back to the queue and exits; Flower must not keep them STARTED, nor the worker active.
+    faults(added_latency_ms=15_000)
+    log = tmp_path / "worker.log"
+    with flower(fast, tmp_path) as fl:
+        enqueue(fast, tmp_path, {"chat": None})
+        with worker_process(_worker_env(fast, sim.url, 1), log, "--concurrency", "4") as process:
+            node = f"{SERVER}.pid{process.pid}@{socket.gethostname()}"
+            wait_for(lambda: _count(fl, node, "STARTED") == 4, 60, "four STARTED in Flower", log)
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+        _wait_for(lambda: _stopped_cleanly(fl, node), "the worker offline, nothing active")
+        tasks = _tasks_of(fl, node)
+    assert "4 went back to the queue" in log.read_text(), log.read_text()[-3000:]
+    given_back = [t for t in tasks if t.get("state") == "RETRY"]
+    assert len(given_back) == 4, tasks
+    assert all("worker stopped" in (t.get("exception") or "") for t in given_back), given_back
+    states = {repo.job(job_of(t["args"]))["state"] for t in given_back}  # type: ignore[index]
+    assert states == {JobState.QUEUED.value}  # back in the queue, unspent
+
+
+def test_a_worker_stopped_while_its_requests_finish_shows_none_active_in_flower(
+    fast: Settings,
+    repo: InspectRepository,
+    tmp_path: Path,
+    sim: SimServer,
+    faults: Callable[..., None],
+) -> None:
+    # SIGTERM while four requests run, which end within the grace period: Flower shows
+    # them SUCCESS and the worker with nothing active (Celery's own worker-offline event,
+    # sent while they still ran, said four).
+    faults(added_latency_ms=1500)
+    log = tmp_path / "worker.log"
+    with flower(fast, tmp_path) as fl:
+        enqueue(fast, tmp_path, {"chat": None})
+        with worker_process(_worker_env(fast, sim.url, 60), log, "--concurrency", "4") as process:
+            node = f"{SERVER}.pid{process.pid}@{socket.gethostname()}"
+            wait_for(lambda: _count(fl, node, "STARTED") == 4, 60, "four STARTED in Flower", log)
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+        _wait_for(lambda: _stopped_cleanly(fl, node), "the worker offline, nothing active")
+        states = _states_of(fl, node)
+    assert states.count("SUCCESS") == 4, states
+
+
+def test_a_worker_whose_server_is_dead_stops_taking_jobs_and_leaves_none_open_in_flower(
+    fast: Settings, repo: InspectRepository, tmp_path: Path
+) -> None:
+    # Its only server hangs up on every call from the start: the worker pauses its queue
+    # consumer, so it stops taking its messages (not taking and sending them back again
+    # every health interval, which Flower counted as ever more tasks "Processed"), and at
+    # exit it leaves no task RECEIVED or STARTED in Flower, nor itself active.
+    log = tmp_path / "worker.log"
+    with flower(fast, tmp_path) as fl, HangUpServer() as dead:
+        enqueue(fast, tmp_path, {"chat": None})
+        with worker_process(_worker_env(fast, dead.url, 2), log, "--concurrency", "4") as process:
+            node = f"{SERVER}.pid{process.pid}@{socket.gethostname()}"
+            _wait_for(lambda: " ready." in log.read_text(), "the worker ready", 60)
+            _wait_for(lambda: node in _workers(fl) and not _count(fl, node, "STARTED"), "idle")
+            processed = _workers(fl).get(node, {}).get("task-received", 0)
+            calls = dead.connections
+            _wait_for(lambda: dead.connections >= calls + 20, "ten more health checks", 60)
+            assert _workers(fl).get(node, {}).get("task-received", 0) == processed
+            assert processed <= 6  # the messages it took before its consumer paused, once
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+        _wait_for(lambda: _stopped_cleanly(fl, node), "the worker offline, nothing open")
+    assert repo.counts()[0].states["queued"] == 6  # every job still queued, none spent

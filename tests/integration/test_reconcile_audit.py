@@ -17,6 +17,7 @@ from eaglegen.stack import EmbeddedRedis
 from models.records import GenerationRecord
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, write_jsonl
+from tests.workers import in_thread_worker
 from worker.feeder import Feeder
 from worker.reconcile import reconcile
 from worker.slots import SlotPool
@@ -123,3 +124,27 @@ def test_the_feeder_publishes_in_bounded_commands(
     finally:
         client.close()
         server.stop()
+
+
+def test_audit_passes_at_every_moment_of_a_live_run(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    # The audit counts the jobs and reads the datasets' counters: if those are two
+    # snapshots, the transitions committed between them read as violations (the issue's
+    # "counter jobs_queued is 22514, the jobs say 22518" on a live run). Audit over and
+    # over while a worker runs hundreds of short jobs: every audit must pass.
+    rows = [{"prompt": f"Question {i}: what is {i} + {i}?"} for i in range(500)]
+    enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", rows), max_new_tokens=8)
+    audits: list[list[str]] = []
+    with in_thread_worker(settings):
+        while True:
+            # Whether the run had settled is read before the audit: the last audit then
+            # sees the settled run too.
+            settled = all(c.states["queued"] + c.states["running"] == 0 for c in repo.counts())
+            audits.append(repo.audit(lease_grace_s=600))
+            if settled:
+                break
+    assert len(audits) > 1  # at least one while jobs were in flight
+    failed = [problems for problems in audits if problems]
+    assert not failed, f"{len(failed)} of {len(audits)} audits failed, first: {failed[0]}"
+    assert sum(c.states["done"] for c in repo.counts()) == 500

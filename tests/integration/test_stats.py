@@ -4,6 +4,7 @@ simulator, with broken tool arguments switched on; and hand-recorded edge cases)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -18,6 +19,9 @@ from tokenizers import Tokenizer
 
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR, special_ids
+from eaglegen.report import html
+from eaglegen.report.plots import prompt_vs_completion
+from eaglegen.report.quality import Report
 from eaglegen.report.stats import Scope, Vocabulary, collect
 from eaglegen.sim import FaultConfig, SimConfig, SimServer
 from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
@@ -54,14 +58,19 @@ def sim() -> Iterator[SimServer]:
         yield server
 
 
-def report(engine: Engine, run: str = "run", **scope: Any) -> dict[str, Any]:
-    """What `eaglegen stats --json` prints for ``run``."""
+def collected(engine: Engine, run: str = "run", **scope: Any) -> Report:
+    """The report `eaglegen stats` makes of ``run``."""
     queries = StatsQueries(engine)
     found = queries.stats_run(run)
     assert found is not None
     names = tuple(d.name for d in found.datasets)
     vocab = Vocabulary.load(str(TOKENIZER_DIR))
-    return collect(queries, found, Scope(names, **{"sample": None, **scope}), vocab).document()
+    return collect(queries, found, Scope(names, **{"sample": None, **scope}), vocab)
+
+
+def report(engine: Engine, run: str = "run", **scope: Any) -> dict[str, Any]:
+    """What `eaglegen stats --json` prints for ``run``."""
+    return collected(engine, run, **scope).document()
 
 
 def database_rows(engine: Engine) -> list[dict[str, Any]]:
@@ -164,7 +173,7 @@ def assert_matches(doc: dict[str, Any], want: dict[str, Any]) -> None:
     r = doc["reasoning"]
     assert (r["opens_reasoning"], r["think_end_missing"]) == (want["opens"], want["missing"])
     assert r["think_end_missing_cut"] == want["missing_cut"]
-    for stat in ("sum", "p50", "p90", "p99"):
+    for stat in ("sum", "p50", "p90", "p99", "max"):
         assert r["reasoning_tokens"][stat] == pytest.approx(want["reasoning"][stat]), stat
     assert r["answer_tokens"]["sum"] == want["answer_sum"]
     assert doc["empty_answers"] == want["empty"]
@@ -319,6 +328,37 @@ def test_edge_cases_are_counted_each_where_it_belongs(repo: Repository) -> None:
     assert "1 generation of `edge` has an empty answer" in warnings
     assert any(w.startswith("1 of 5 tool calls of `edge` has arguments that are not JSON")
                for w in warnings)  # fmt: skip
+
+
+def test_the_reasoning_spread_reaches_its_longest_reasoning(repo: Repository) -> None:
+    record_edges(repo, max_new=len(EDGES[3][1]))
+    document = report(repo.engine, "edges")
+    longest = max(split_reasoning(output, THINK_END).reasoning_tokens for _, output, _, _ in EDGES)
+    assert longest > 0
+    for figures in (document["datasets"][0], document["total"]):
+        assert figures["reasoning"]["reasoning_tokens"]["max"] == longest
+
+
+def test_the_scatter_plot_says_whether_it_sampled(repo: Repository) -> None:
+    record_edges(repo, max_new=len(EDGES[3][1]))
+    whole = collected(repo.engine, "edges")
+    assert len(whole.points) == len(EDGES)  # fewer generations than the plot draws
+    title = prompt_vs_completion(whole).axes[0].get_title()
+    assert title == f"Prompt vs completion (all {len(EDGES)} generations)"
+    fewer = dataclasses.replace(whole, points=whole.points[:4])
+    title = prompt_vs_completion(fewer).axes[0].get_title()
+    assert title == f"Prompt vs completion (a seeded sample of 4 of {len(EDGES)} generations)"
+
+
+def test_every_table_of_the_page_scrolls_in_a_box_of_its_own(repo: Repository) -> None:
+    record_edges(repo, max_new=len(EDGES[3][1]))
+    page = html.page(collected(repo.engine, "edges"), {})
+    tables = re.findall(r"(.{0,40})<table>", page)
+    assert len(tables) == 4  # lengths, reasoning, tool calls, cache and latency
+    assert all(before.endswith('<div class="scroll">') for before in tables)
+    assert page.count("</table></div>") == len(tables)
+    style = re.search(r"\.scroll \{([^}]*)\}", page)
+    assert style is not None and "overflow-x: auto" in style.group(1)
 
 
 def test_a_run_without_generations_is_an_honest_empty_report(repo: Repository) -> None:

@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
 from core.settings import Settings
+from core.urls import redact
+from eaglegen.report.progress import MIN_SPAN_S
 from models.records import DatasetSpec, NewJob, RunSpec
 from models.repository import Repository
 from models.states import JobState
@@ -32,6 +35,7 @@ from tests.helpers import (
     write_jsonl,
 )
 from tests.integration.test_pipeline import worker
+from tests.outage import Lines, outage
 
 
 def status_json(settings: Settings, *args: str) -> dict[str, Any]:
@@ -51,7 +55,8 @@ def rows_by_dataset(repo: Repository) -> dict[str, list[dict[str, Any]]]:
         rows = conn.execute(
             text(
                 "SELECT d.name AS dataset, j.state, g.prompt_tokens, g.completion_tokens,"
-                " g.server, g.created_at FROM jobs j JOIN datasets d ON d.id = j.dataset_id"
+                " g.server, g.created_at, g.e2e_latency"
+                " FROM jobs j JOIN datasets d ON d.id = j.dataset_id"
                 " LEFT JOIN generations g ON g.job_id = j.id"
             )
         ).all()
@@ -65,6 +70,19 @@ def within(rows: list[dict[str, Any]], now: datetime, seconds: int) -> list[dict
     return [
         r for r in rows if r["created_at"] and r["created_at"] > now - timedelta(seconds=seconds)
     ]
+
+
+def spans(rows: list[dict[str, Any]], now: datetime, seconds: int) -> tuple[float, float]:
+    """The least and the most a window's rate may divide by: from the start of its earliest
+    generation to now, at most the window, at least MIN_SPAN_S. Two bounds because the
+    document's ``now`` is cut to the second (the true one is up to a second later)."""
+    first = min(r["created_at"] - timedelta(seconds=r["e2e_latency"]) for r in rows)
+    covered = (now - first).total_seconds()
+
+    def clamp(value: float) -> float:
+        return min(float(seconds), max(MIN_SPAN_S, value))
+
+    return clamp(covered), clamp(covered + 1)
 
 
 def test_status_figures_are_those_of_the_rows(
@@ -101,22 +119,33 @@ def test_status_figures_are_those_of_the_rows(
         for label, seconds in (("1m", 60), ("10m", 600)):
             recent = within(done, now, seconds)
             rate = d["rates"][label]
-            assert rate["completion_tok_s"] == round(
-                sum(r["completion_tokens"] for r in recent) / seconds, 3
+            # Over the time the work spans, not the whole window: the run is seconds old.
+            low, high = spans(recent, now, seconds)
+            assert low - 0.05 <= rate["span_s"] <= high + 0.05
+            tokens = sum(r["completion_tokens"] for r in recent)
+            close = 0.06 / rate["span_s"] + 1e-3  # span_s is rounded to 0.1 s
+            assert rate["completion_tok_s"] == pytest.approx(tokens / rate["span_s"], rel=close)
+            assert rate["completions_per_min"] == pytest.approx(
+                len(recent) * 60 / rate["span_s"], rel=close
             )
-            assert rate["completions_per_min"] == round(len(recent) * 60 / seconds, 3)
+        if d["rates"]["1m"]["span_s"] < 60:  # all of it within the last minute
+            assert d["rates"]["10m"] == d["rates"]["1m"]
         assert d["remaining_jobs"] == 0 and d["eta_s"] == 0
     capped = next(d for d in document["datasets"] if d["dataset"] == "capped")
     assert capped["jobs"]["skipped_budget"] > 0 and capped["finished"] == "budget reached"
     assert capped["budget"]["used"] == capped["completion_tokens"]
     assert capped["budget"]["left"] == 300 - capped["completion_tokens"]
+    # The default policy, reserving the worst case until it has enough answers.
+    assert (capped["budget"]["reserve"], capped["budget"]["reserve_per_job"]) == ("observed", 64)
     opened = next(d for d in document["datasets"] if d["dataset"] == "open")
     assert opened["finished"] == "all jobs done" and opened["budget"]["left"] is None
     # Per server: what the generations of the last minute say.
     every = [r for jobs in truth.values() for r in jobs if r["state"] == "done"]
     for server in document["servers"]:
         recent = [r for r in within(every, now, 60) if r["server"] == server["name"]]
-        assert server["completion_tok_s_1m"] == sum(r["completion_tokens"] for r in recent) / 60
+        low, high = spans(recent, now, 60)
+        tokens = sum(r["completion_tokens"] for r in recent)
+        assert tokens / high <= server["completion_tok_s_1m"] <= tokens / low
     assert {s["name"] for s in document["servers"]} == {r["server"] for r in every}
     [run] = document["runs"]
     assert run["finished"] == "every dataset finished"
@@ -224,3 +253,49 @@ def test_metrics_serves_the_status_figures_and_the_old_name_warns(
     totals = [k for k in samples if k[0].endswith(("_jobs", "_tokens_total"))]
     assert totals and {k: again[k] for k in totals} == {k: samples[k] for k in totals}
     assert "`eaglegen exporter` is now `eaglegen metrics`" in stderr
+
+
+def test_status_watch_says_postgres_is_gone_and_goes_on_until_it_is_back(
+    settings: Settings, repo: Repository
+) -> None:
+    run_id = repo.ensure_run(RunSpec("r", "tok", "a", "b", "m"))
+    dataset = repo.ensure_dataset(run_id, DatasetSpec("d", "s", {"max_new_tokens": 8}))
+    repo.insert_jobs(dataset, [NewJob(i, [1, 2, i + 3], {}) for i in range(3)])
+    url = settings.services().database_url
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
+    env["EAGLEGEN_DATABASE_URL"] = url
+    # stdout is a pipe, as under nohup or tee: each refresh is printed after the last.
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "eaglegen", "status", "--watch", "--interval", "0.5"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert watch.stdout is not None and watch.stderr is not None
+    lines = Lines(watch.stdout)
+
+    def view(line: str) -> bool:
+        return line.startswith("run r: ") and "0 of 3 jobs done" in line
+
+    try:
+        lines.next_matching(view, "a view")
+        with outage(url):
+            lost = [
+                lines.next_matching(lambda line: "unreachable since" in line, "the outage")
+                for _ in range(3)  # refresh after refresh: it goes on
+            ]
+        back = lines.next_matching(view, "a view again")
+    finally:
+        watch.send_signal(signal.SIGINT)
+        code = watch.wait(timeout=60)
+        stderr = watch.stderr.read()
+        watch.stderr.close()
+        lines.close()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr and stderr.strip() == "", stderr
+    redacted = redact(url)
+    for line in lost:
+        assert f"Postgres at {redacted} unreachable since" in line
+        assert "retrying every 0.5 s until it answers or Ctrl-C" in line
+    # The same outage: one "since" for all its refreshes.
+    assert len({line.split(" since ", 1)[1].split(" (", 1)[0] for line in lost}) == 1
+    assert any("not currently accepting connections" in line for line in lost)
+    assert "0 of 3 jobs done" in back

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from sqlalchemy import text
 
 from core import heartbeat, keys
 from core.settings import Settings
-from eaglegen.sim import SimConfig, SimServer
+from eaglegen.sim import FaultConfig, SimConfig, SimServer
 from eaglegen.sim.metrics import parse
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
@@ -222,3 +223,40 @@ def test_a_numa_node_that_does_not_exist_exits_2_naming_the_available_nodes(
     assert f"NUMA node 7 does not exist; available: {available}" in message
     assert settings.broker_url is not None
     assert heartbeat.alive(settings.broker_url, None, 60) == []
+
+
+# Requests of 2 s: a SIGTERM comes while they run.
+LATE = SimConfig(seed=7, faults=FaultConfig(added_latency_ms=2000))
+STOPPING = re.compile(r"worker stopping \(SIGTERM\): .* waiting up to 60 s for (\d+) request")
+STOPPED = re.compile(
+    r"worker stopped: of the (\d+) request\(s\) in flight when it began to stop, (\d+) "
+    r"finished and (\d+) went back to the queue"
+)
+
+
+def test_a_stopping_worker_says_what_it_waits_for_and_how_that_ended(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    with SimServer(LATE) as late:
+        env = {
+            **worker_env(settings, [{"name": "late", "url": late.url}]),
+            "EAGLEGEN_SHUTDOWN_GRACE_S": "60",  # time enough for them to finish
+        }
+        enqueue_file(settings, write_jsonl(tmp_path / "rows.jsonl", sample_rows(12)))
+        with worker_process(env, log, "--concurrency", "4") as process:
+            wait_for(lambda: _running(repo) == 4, 60, "four requests in flight", log)
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=60)
+    text = log.read_text()
+    assert process.returncode == 0, text[-3000:]
+    stopping, stopped = STOPPING.search(text), STOPPED.search(text)
+    assert stopping and stopped, text[-3000:]
+    waited = int(stopping.group(1))
+    assert waited == 4 and stopped.groups() == ("4", "4", "0"), text[-3000:]
+    assert _running(repo) == 0
+    assert sum(c.states["done"] for c in repo.counts()) >= 4
+
+
+def _running(repo: Repository) -> int:
+    return sum(c.states.get("running", 0) for c in repo.counts())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from core.anatomy import Markers
 from exporter.conversations import MODELOPT, SPECFORGE, Prompt, decode_turn, document
 from exporter.roundtrip import OUTPUT, PROMPT, Check, RoundTrips, check, failed, first_difference
+from exporter.shaping import json_line
 
 END, SB, SE, CB, AB, CE, STOP = 10, 11, 12, 13, 14, 15, 2
 M = Markers(END, SB, SE, CB, AB, CE, frozenset({STOP}))
@@ -147,3 +149,14 @@ def test_the_tally_counts_per_dataset_and_keeps_few_examples() -> None:
     )
     merged = RoundTrips.from_document(doc).merged(trips).document()
     assert merged["a"]["checked"] == 12 and merged["a"]["exact_rate"] == round(2 / 12, 4)
+
+
+def test_a_line_keeps_integers_beyond_64_bits_and_lone_surrogates_exactly() -> None:
+    for doc in (
+        {"ticket": 2**70, "neg": -(2**64), "text": "é"},
+        {"ticket": 2**70, "text": "a\ud800b"},  # no UTF-8 for it: written as its escape
+        {"plain": [1, 2.5, None, "ü"]},
+    ):
+        line = json_line(doc)
+        assert line.endswith(b"\n") and line.count(b"\n") == 1
+        assert json.loads(line) == doc

@@ -8,6 +8,7 @@ import pytest
 
 from core.heartbeat import Heartbeat, ServerBeat
 from eaglegen.report.progress import (
+    MIN_SPAN_S,
     dataset_progress,
     format_eta,
     run_progress,
@@ -32,8 +33,10 @@ def dataset(
     basis: str = "completion",
     recent: tuple[int, int, int] = (0, 0, 0),  # completions, completion, prompt in 10 min
     name: str = "d",
+    covered: float | None = None,  # seconds the recent work spans (None: the whole window)
 ) -> DatasetStatus:
     n, c, p = recent
+    short = None if covered is None else min(covered, 60.0)
     return DatasetStatus(
         run="r",
         dataset=name,
@@ -47,13 +50,53 @@ def dataset(
         reserved_tokens=0,
         first_done_at=T0 if done else None,
         last_done_at=T0 + timedelta(hours=1) if done > 1 else (T0 if done else None),
-        windows=(Window(60, n // 10, c // 10, p // 10), Window(600, n, c, p)),
+        windows=(Window(60, n // 10, c // 10, p // 10, short), Window(600, n, c, p, covered)),
     )  # fmt: skip
 
 
 def test_a_window_rate_is_its_sums_over_its_length() -> None:
     rate = window_rate(Window(600, completions=30, completion_tokens=60_000, prompt_tokens=6_000))
     assert (rate.label, rate.completion_tok_s, rate.completions_per_min) == ("10m", 100.0, 3.0)
+
+
+def test_a_window_the_work_started_within_divides_by_the_time_it_spans() -> None:
+    # A run 60 s old at 24,000 tok/s: its 10-minute window holds 60 s of work, not 600.
+    rate = window_rate(Window(600, completions=60, completion_tokens=1_440_000, covered_s=60.0))
+    assert (rate.completion_tok_s, rate.completions_per_min, rate.span_s) == (24_000, 60, 60)
+    assert rate.as_dict()["span_s"] == 60.0
+    # Work that filled the window (or more: a generation begun before it) spans all of it.
+    full = window_rate(Window(600, completions=60, completion_tokens=60_000, covered_s=600.0))
+    assert (full.completion_tok_s, full.span_s) == (100.0, 600)
+    # Generations recorded an instant after they started: never a division by ~0.
+    instant = window_rate(Window(60, completions=3, completion_tokens=300, covered_s=0.0))
+    assert instant.span_s == MIN_SPAN_S and instant.completion_tok_s == 300 / MIN_SPAN_S
+
+
+def test_a_datasets_eta_in_its_first_minute_is_at_the_rate_it_runs() -> None:
+    # 15 s in, 250 of 1,000 jobs done: 750 left at 1,000 a minute is 45 s, not the 30
+    # minutes that 250 completions spread over the whole 10 minutes would say.
+    d = dataset(queued=700, running=50, done=250, completion=250_000,
+                recent=(250, 250_000, 25_000), covered=15.0)  # fmt: skip
+    progress = dataset_progress(d)
+    ten = progress.rates[1]
+    assert (ten.label, ten.completions_per_min, ten.completion_tok_s) == ("10m", 1000, 250_000 / 15)
+    assert progress.eta_s == pytest.approx(45.0)
+    assert format_eta(progress.eta_s) == "45s"
+
+
+def test_the_run_rate_spans_from_the_earliest_dataset_start() -> None:
+    # a has run for 2 minutes, b for 30 s, c nothing lately: the run's work spans 2 minutes.
+    a = dataset(name="a", queued=100, done=10, completion=120_000,
+                recent=(10, 120_000, 0), covered=120.0)  # fmt: skip
+    b = dataset(name="b", queued=100, done=5, completion=60_000,
+                recent=(5, 60_000, 0), covered=30.0)  # fmt: skip
+    c = dataset(name="c", queued=100)
+    progress = run_progress([a, b, c])
+    one, ten = progress.rates
+    assert (ten.span_s, ten.completion_tok_s) == (120.0, 180_000 / 120)
+    assert one.span_s == 60.0  # the shorter window is full
+    # 300 jobs at the run's mean of 12,000 tokens over 1,500 tok/s.
+    assert progress.eta_s == pytest.approx(300 * 12_000 / 1500)
 
 
 def test_the_whole_run_rate_spans_first_to_last_generation() -> None:

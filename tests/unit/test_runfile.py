@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from models.ledger import BudgetBasis
+from models.ledger import BudgetBasis, ReservePolicy
 from producer.plan import parse_template_kwargs, plan_from_flags, plan_from_run_file
 from producer.runfile import load_run_file
 
@@ -61,6 +61,15 @@ def test_run_file_is_parsed_with_paths_relative_to_it(tmp_path: Path) -> None:
     assert (tools.limit, tools.sample_seed, tools.fmt) == (100, 7, "parquet")
 
 
+def test_a_dataset_may_name_its_reserve_policy(tmp_path: Path) -> None:
+    text = RUN_FILE.replace(
+        'budget_tokens = "10M"', 'budget_tokens = "10M"\nreserve = "worst_case"'
+    )
+    chat, tools = plan_from_run_file(load_run_file(write(tmp_path, text))).datasets
+    # Named: applied; left out: the default for a new dataset, kept by one that exists.
+    assert (chat.reserve, tools.reserve) == (ReservePolicy.WORST_CASE, None)
+
+
 def test_sampling_precedence_is_defaults_then_run_then_dataset(tmp_path: Path) -> None:
     plan = plan_from_run_file(load_run_file(write(tmp_path, RUN_FILE)))
     chat, tools = plan.datasets
@@ -82,6 +91,10 @@ def test_sampling_precedence_is_defaults_then_run_then_dataset(tmp_path: Path) -
             "datasets.0.budget_tokens",
         ),
         ('run = "r"\ntokenizer = "t"\n[[datasets]]\nname="a"\npath="x"\nformat="csv"', "format"),
+        (
+            'run = "r"\ntokenizer = "t"\n[[datasets]]\nname="a"\npath="x"\nreserve="mean"',
+            "datasets.0.reserve",
+        ),
         (
             'run = "r"\ntokenizer = "t"\n[[datasets]]\nname="a"\npath="x"\n'
             '[[datasets]]\nname="a"\npath="y"',

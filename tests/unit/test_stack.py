@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 from pathlib import Path
 
 import pytest
 
-from eaglegen.cli.base import load_settings, parse_servers
+from eaglegen.cli.base import load_settings, no_stack, parse_servers
 from eaglegen.stack import (
     FLOWER_AUTH_ENV,
     FLOWER_TASK_COLUMNS,
     check_flower_exposure,
     flower_launch,
+    pointer_path,
+    read_stack_file,
+    secure_data_dir,
     socket_url,
+    write_pointer,
     write_stack_file,
 )
 from worker.app import nodename
@@ -104,3 +109,89 @@ def test_worker_node_names_say_servers_numa_node_pid_and_host() -> None:
     assert nodename(["a b/c@d"]) == f"a-b-c-d.{where}"  # one @ only: Celery splits on it
     many = nodename([f"server-number-{i}" for i in range(8)], 0)
     assert many == f"server-number-0+server-number-1+6more.numa0.{where}"
+
+
+def test_the_stack_file_replaces_a_link_planted_there_instead_of_writing_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    data_dir = tmp_path / "stack"
+    data_dir.mkdir()
+    (data_dir / "stack.json").symlink_to(victim)
+    write_stack_file(data_dir, {"broker_url": "redis://h:1/0"})
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    pointer = pointer_path()
+    assert pointer is not None
+    pointer.parent.mkdir(parents=True)
+    pointer.symlink_to(victim)
+    write_pointer(data_dir)
+    assert victim.read_text() == "precious"
+    for written in (data_dir / "stack.json", pointer):
+        assert not written.is_symlink()
+        assert stat.S_IMODE(written.stat().st_mode) == 0o600
+    assert read_stack_file(data_dir) == {"broker_url": "redis://h:1/0"}
+    assert pointer.read_text() == f"{data_dir.resolve()}\n"
+
+
+def test_the_pointer_lives_under_xdg_config_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert pointer_path() == tmp_path / "eaglegen" / "stack"
+    monkeypatch.setenv("XDG_CONFIG_HOME", "relative/dir")  # ignored, as the spec says
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert pointer_path() == tmp_path / "home" / ".config" / "eaglegen" / "stack"
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    assert pointer_path() == tmp_path / "home" / ".config" / "eaglegen" / "stack"
+
+
+def test_commands_find_the_stack_here_else_through_the_pointer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.chdir(tmp_path)
+    assert load_settings().broker_url is None
+    where = f"looked in {tmp_path / '.eaglegen'} and for {pointer_path()}"
+    assert no_stack(load_settings()).endswith(where)
+
+    far = tmp_path / "far" / "stack"
+    write_stack_file(far, {"database_url": "postgresql://far/db", "broker_url": "redis://far:1/0"})
+    write_pointer(far)
+    settings = load_settings()
+    assert (settings.broker_url, settings.data_dir) == ("redis://far:1/0", far.resolve())
+
+    # A stack of the folder's own comes first; a folder named explicitly is the only one.
+    write_stack_file(tmp_path / ".eaglegen", {"broker_url": "redis://here:2/0"})
+    assert load_settings().broker_url == "redis://here:2/0"
+    monkeypatch.setenv("EAGLEGEN_DATA_DIR", str(tmp_path / "named"))
+    assert load_settings().broker_url is None
+    assert no_stack(load_settings()).endswith(f"looked in {tmp_path / 'named'}")
+
+    # A pointer to a folder whose stack is gone finds nothing, and says where it looked.
+    monkeypatch.delenv("EAGLEGEN_DATA_DIR")
+    (tmp_path / ".eaglegen" / "stack.json").unlink()
+    (far / "stack.json").unlink()
+    assert load_settings().broker_url is None
+    assert f"and {far.resolve()} (named by {pointer_path()})" in no_stack(load_settings())
+
+
+def test_the_data_dir_is_private(tmp_path: Path) -> None:
+    data_dir = tmp_path / "stack"
+    data_dir.mkdir(mode=0o755)
+    (data_dir / "postgres").mkdir()  # this user's cluster: its server runs as this user
+    secure_data_dir(data_dir)
+    assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700
+
+
+@pytest.mark.needs("root")
+def test_the_data_dir_lets_a_server_user_of_its_own_through(tmp_path: Path) -> None:
+    # As pgserver leaves it when root runs it: the cluster is another user's, and its
+    # server runs in the group of the process that started it.
+    data_dir = tmp_path / "stack"
+    data_dir.mkdir(mode=0o755)
+    (data_dir / "postgres").mkdir()
+    os.chown(data_dir / "postgres", 65534, 65534)
+    secure_data_dir(data_dir)
+    folder = data_dir.stat()
+    assert (stat.S_IMODE(folder.st_mode), folder.st_gid) == (0o710, os.getegid())
