@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import redis
 from kombu.exceptions import OperationalError as KombuOperationalError
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as SQLTimeoutError
 
-from models.db import is_lock_timeout
+from models.db import is_lock_timeout, lost_database
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ def service_trouble(exc: BaseException) -> str | None:
     other error."""
     if isinstance(exc, SQLTimeoutError) or is_lock_timeout(exc):
         return DATABASE_BUSY  # every pooled connection in use, or a row held too long
-    if isinstance(exc, OperationalError):
+    if lost_database(exc) is not None:  # the one rule for "Postgres is gone" (models.db)
         return DATABASE_UNREACHABLE
     if isinstance(exc, redis.RedisError | KombuOperationalError):
         return REDIS_UNREACHABLE

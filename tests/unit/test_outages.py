@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import redis
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from worker.feeder import FeedLog, FeedReport
 from worker.outages import DATABASE_UNREACHABLE, REDIS_UNREACHABLE, Outages, service_trouble
@@ -67,6 +67,8 @@ def test_an_unforeseen_error_keeps_its_trace_once(
 
 def test_errors_are_sorted_by_the_service_they_say_is_down() -> None:
     assert service_trouble(OperationalError("x", {}, Exception())) == DATABASE_UNREACHABLE
+    # A connection the server closed under SQLAlchemy: the same outage (models.db's rule).
+    assert service_trouble(InterfaceError("x", {}, Exception())) == DATABASE_UNREACHABLE
     assert service_trouble(redis.ConnectionError("refused")) == REDIS_UNREACHABLE
     assert service_trouble(ValueError("bug")) is None
 
