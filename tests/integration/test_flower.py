@@ -390,7 +390,7 @@ def test_a_worker_stopped_with_requests_in_flight_leaves_no_task_active_in_flowe
             wait_for(lambda: _count(fl, node, "STARTED") == 4, 60, "four STARTED in Flower", log)
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
-        _wait_for(lambda: _stopped_cleanly(fl, node), "the worker offline, nothing active")
+        _wait_for(lambda: _stopped_cleanly(fl, node), "the worker offline, nothing active", 120)
         tasks = _tasks_of(fl, node)
     assert "4 went back to the queue" in log.read_text(), log.read_text()[-3000:]
     given_back = [t for t in tasks if t.get("state") == "RETRY"]
@@ -419,7 +419,7 @@ def test_a_worker_stopped_while_its_requests_finish_shows_none_active_in_flower(
             wait_for(lambda: _count(fl, node, "STARTED") == 4, 60, "four STARTED in Flower", log)
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
-        _wait_for(lambda: _stopped_cleanly(fl, node), "the worker offline, nothing active")
+        _wait_for(lambda: _stopped_cleanly(fl, node), "the worker offline, nothing active", 120)
         states = _states_of(fl, node)
     assert states.count("SUCCESS") == 4, states
 
