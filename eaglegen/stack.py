@@ -31,7 +31,7 @@ STACK_FILE = "stack.json"
 # The ports a stack folder's services listened on, kept by `down`: the next `up` of the
 # folder takes them again (while they are free), so workers find their broker where it was.
 PORTS_FILE = "ports.json"
-# Flower's logins (USER:PASSWORD, several joined by commas) for `eaglegen up` and `flower`.
+# Flower's login (one USER:PASSWORD) for `eaglegen up` and `flower`.
 FLOWER_AUTH_ENV = "EAGLEGEN_FLOWER_BASIC_AUTH"
 FLOWER_DEFAULT_PORT = 5555
 # What a recorded pid's command line holds while it is still the process `up` started.
@@ -512,19 +512,40 @@ def stop_pid(
 def check_flower_exposure(
     address: str, basic_auth: str | None, *, flag: str = "--flower-basic-auth"
 ) -> None:
-    """Refuse a malformed Flower login, and Flower beyond loopback without one."""
+    """Refuse a Flower login Flower would not take as written, and Flower beyond loopback
+    without one."""
     if basic_auth is not None:
-        for entry in basic_auth.split(","):
-            user, sep, password = entry.partition(":")
-            if not (sep and user and password):
-                raise ValueError(
-                    f"{flag} must be USER:PASSWORD (several joined by commas), "
-                    "each with a user and a password"
-                )
+        check_flower_login(basic_auth, flag)
     if not basic_auth and not is_loopback(address):
         raise ValueError(
             f"Flower on {address} would be reachable from other hosts: pass "
             f"{flag} USER:PASSWORD or set {FLOWER_AUTH_ENV} (or bind it to 127.0.0.1)"
+        )
+
+
+def check_flower_login(login: str, flag: str) -> None:
+    """One ``USER:PASSWORD``, each part something a browser can send. Flower splits its
+    login on commas (``ops:Pa,ss:word`` would let in ``ops:Pa`` and ``ss:word`` and refuse
+    the intended one), so a comma is refused, not passed on; the login is never echoed."""
+    user, sep, password = login.partition(":")
+    if "," in login:
+        reason = "holds a comma, where Flower would split it into two logins"
+    elif not (sep and user.strip() and password.strip()):
+        reason = "needs a user and a password, neither blank"
+    elif any(not ch.isprintable() for ch in login):
+        reason = "holds a control character"
+    else:
+        return
+    raise ValueError(f"{flag} must be one USER:PASSWORD; the one given {reason}")
+
+
+def check_metrics_exposure(address: str, public: bool) -> None:
+    """Refuse to serve `eaglegen metrics` beyond loopback unless asked in so many words:
+    Prometheus's exposition has no login, and the figures name every run and dataset."""
+    if not public and not is_loopback(address):
+        raise ValueError(
+            f"metrics on {address} would be reachable from other hosts with no login: pass "
+            "--public to serve them there anyway (or bind them to 127.0.0.1)"
         )
 
 

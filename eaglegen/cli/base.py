@@ -67,7 +67,7 @@ FlowerLogin = Annotated[
     str | None,
     typer.Option(
         envvar=[FLOWER_AUTH_ENV, "FLOWER_BASIC_AUTH"],
-        help="USER:PASSWORD (several joined by commas), required off loopback; prefer "
+        help="USER:PASSWORD (one; no comma: Flower splits there), required off loopback; prefer "
         "the environment variable, a flag is visible to every user of the host",
     ),
 ]

@@ -99,6 +99,9 @@ def status(
 def metrics(
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to serve /metrics on")] = 9464,
     host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
+    public: Annotated[
+        bool, typer.Option(help="Serve beyond loopback (the figures have no login)")
+    ] = False,
     run: Annotated[str | None, typer.Option(help="Only this run")] = None,
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
@@ -109,7 +112,9 @@ def metrics(
     from prometheus_client.core import CollectorRegistry
 
     from eaglegen.report.prometheus import StatusCollector
+    from eaglegen.stack import check_metrics_exposure
 
+    check_metrics_exposure(host, public)
     settings = load_settings(database_url=database_url, data_dir=data_dir)
     name = None if run is None else check_name("run", run)
     with repository(database(settings)) as repo:

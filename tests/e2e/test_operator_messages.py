@@ -72,3 +72,30 @@ def test_worker_help_shows_the_default_concurrency() -> None:
     assert done.returncode == 0, done.stderr
     default = Settings.model_fields["worker_concurrency"].default
     assert f"Threads: requests in flight at once (default {default})" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ("metrics", "--host", "0.0.0.0"),
+            "metrics on 0.0.0.0 would be reachable from other hosts with no login: pass --public",
+        ),
+        (
+            ("flower", "--address", "0.0.0.0", "--basic-auth", "ops:Pa,ss:word"),
+            "--basic-auth must be one USER:PASSWORD; the one given holds a comma",
+        ),
+        (
+            ("flower", "--basic-auth", " : "),
+            "--basic-auth must be one USER:PASSWORD; the one given needs a user and a password",
+        ),
+    ],
+)
+def test_exposure_beyond_loopback_and_logins_flower_would_split_are_refused(
+    argv: tuple[str, ...], says: str
+) -> None:
+    # Refused before any service is asked: no database or broker is given.
+    done = eaglegen(*argv, env={"EAGLEGEN_BROKER_URL": "redis://127.0.0.1:1/0"})
+    line = one_line_error(done)
+    assert line.startswith(says), line
+    assert "Pa,ss" not in done.stderr  # the login is never echoed

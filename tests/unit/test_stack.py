@@ -14,6 +14,7 @@ from eaglegen.stack import (
     FLOWER_AUTH_ENV,
     FLOWER_TASK_COLUMNS,
     check_flower_exposure,
+    check_metrics_exposure,
     flower_launch,
     pointer_path,
     read_stack_file,
@@ -35,7 +36,25 @@ def test_flower_off_loopback_requires_auth(address: str) -> None:
     with pytest.raises(ValueError, match="flower-basic-auth"):
         check_flower_exposure(address, None)
     check_flower_exposure(address, "admin:secret")
-    check_flower_exposure(address, "admin:secret,ops:other")
+    check_flower_exposure(address, "admin:se:cret")  # the user ends at the first colon
+
+
+@pytest.mark.parametrize(
+    "login",
+    [
+        "ops:Pa,ss:word",  # Flower would let in ops:Pa and ss:word, not the intended one
+        "admin:secret,ops:other",
+        " : ",
+        "admin: ",
+        "\t:secret",
+        "admin:sec\x1bret",
+    ],
+)
+def test_a_login_flower_would_split_or_that_is_blank_is_refused(login: str) -> None:
+    for address in ("127.0.0.1", "0.0.0.0"):
+        with pytest.raises(ValueError, match="must be one USER:PASSWORD") as refused:
+            check_flower_exposure(address, login)
+        assert login not in str(refused.value)  # the login is never echoed
 
 
 @pytest.mark.parametrize("login", [":", "admin:", ":secret", ",", "admin:secret,", "nocolon"])
@@ -43,6 +62,14 @@ def test_a_flower_login_without_user_or_password_is_refused(login: str) -> None:
     for address in ("127.0.0.1", "0.0.0.0"):
         with pytest.raises(ValueError, match="USER:PASSWORD"):
             check_flower_exposure(address, login)
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0", "10.1.2.3", "127.attacker.example"])
+def test_metrics_beyond_loopback_need_public(address: str) -> None:
+    check_metrics_exposure("127.0.0.1", public=False)
+    with pytest.raises(ValueError, match="reachable from other hosts with no login"):
+        check_metrics_exposure(address, public=False)
+    check_metrics_exposure(address, public=True)
 
 
 @pytest.mark.parametrize("address", ["127.attacker.example", "localhost.attacker.example"])
