@@ -6,7 +6,9 @@ special tokens (a reasoning parser strips the think-end token from `output_ids` 
 `completion_tokens` equal to the ids returned and no prompt token among them (a bug of some
 SGLang versions), metrics on, and the run's model served.
 
-``probe`` does the I/O (httpx against the server); ``judge_generation`` is pure.
+``examine`` does the I/O (core.bounded against the server: each answer capped in size and
+in total time, so a hostile or broken server fails a check instead of hanging the doctor or
+filling its memory); ``judge_generation`` is pure.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from core import bounded
 from models.records import RunModel
 from worker.identity import Served, mismatch
 from worker.retry import AttemptError
@@ -30,6 +33,12 @@ PARSERS = ("reasoning_parser", "tool_call_parser")
 # about 17 + 25, and an answer cut before its think-end token cannot show whether the server
 # keeps that token. Lowered to what the server's context leaves (`examine`).
 PROBE_MAX_NEW_TOKENS = 8192
+# The whole of each small answer (health, model and server info, metrics) within this.
+PROBE_TIMEOUT_S = 10.0
+# The probe generation: thousands of tokens of a large model on a busy server, but bounded.
+GENERATE_TIMEOUT_S = 600.0
+# A worker's own cap on a /generate body (EAGLEGEN_MAX_RESPONSE_BYTES' default).
+GENERATE_MAX_BYTES = 64 * bounded.MIB
 
 
 @dataclass(frozen=True)
@@ -77,34 +86,59 @@ class DoctorReport:
         }
 
 
-def examine(url: str, probe: Probe, timeout_s: float = 600.0) -> DoctorReport:
-    """Run every check against the server at ``url``."""
+@dataclass(frozen=True)
+class _Server:
+    """A bounded client on the server, and how long each of its kinds of call may take."""
+
+    http: httpx.Client
+    probe_timeout_s: float
+    generate_timeout_s: float
+
+    def get(self, path: str) -> httpx.Response:
+        return bounded.get(self.http, path, self.probe_timeout_s)
+
+    def get_json(self, path: str) -> Any:
+        response = self.get(path)
+        response.raise_for_status()
+        return response.json()
+
+
+def examine(
+    url: str,
+    probe: Probe,
+    timeout_s: float = GENERATE_TIMEOUT_S,
+    probe_timeout_s: float = PROBE_TIMEOUT_S,
+) -> DoctorReport:
+    """Run every check against the server at ``url``: each answer whole within
+    ``probe_timeout_s`` (the generation's within ``timeout_s``) and its size cap."""
     report = DoctorReport()
-    with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s) as client:
+    with bounded.client(url) as http:
+        server = _Server(http, probe_timeout_s, timeout_s)
         try:
-            client.get("/health", timeout=10).raise_for_status()
+            server.get("/health").raise_for_status()
         except httpx.HTTPError as exc:
-            report.checks.append(
-                Check("reachable", False, f"{url} does not answer /health ({exc}): is it up?")
-            )
+            report.checks.append(Check("reachable", False, f"{url}: {_why(exc)}: is it up?"))
             return report
         report.checks.append(Check("reachable", True, f"{url} answers /health"))
-        report.checks.append(_model_check(client, probe.model))
-        report.checks += _server_info(client, report.facts)
-        report.checks += _generation_checks(client, _within_context(probe, report.facts))
-        report.checks.append(_metrics_check(client))
+        report.checks.append(_model_check(server, probe.model))
+        report.checks += _server_info(server, report.facts)
+        report.checks += _generation_checks(server, _within_context(probe, report.facts))
+        report.checks.append(_metrics_check(server))
     return report
 
 
-def _get_json(client: httpx.Client, path: str) -> Any:
-    response = client.get(path, timeout=30)
-    response.raise_for_status()
-    return response.json()
+def _why(exc: httpx.HTTPError) -> str:
+    """One line: a refused answer says its path itself; httpx's errors do not all."""
+    if isinstance(exc, bounded.AnswerRefused):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
-def _model_check(client: httpx.Client, wanted: RunModel | None) -> Check:
+def _model_check(server: _Server, wanted: RunModel | None) -> Check:
     try:
-        served = Served.of(_get_json(client, "/get_model_info"))
+        served = Served.of(server.get_json("/get_model_info"))
+    except bounded.AnswerRefused as exc:
+        return Check("model", False, f"{exc}: the model is unknown")
     except (httpx.HTTPError, ValueError) as exc:
         return Check("model", False, f"/get_model_info does not say the model: {exc}")
     if wanted is None:
@@ -117,10 +151,12 @@ def _model_check(client: httpx.Client, wanted: RunModel | None) -> Check:
     return Check("model", True, f"serves {served.model_path!r}, the run's model")
 
 
-def _server_info(client: httpx.Client, facts: dict[str, Any]) -> list[Check]:
+def _server_info(server: _Server, facts: dict[str, Any]) -> list[Check]:
     """The server's limits into ``facts``; a failed check per output-changing parser."""
     try:
-        info = _get_json(client, "/get_server_info")
+        info = server.get_json("/get_server_info")
+    except bounded.AnswerRefused as exc:
+        return [Check("server info", None, f"unavailable: {exc}")]
     except (httpx.HTTPError, ValueError) as exc:
         return [Check("server info", None, f"/get_server_info unavailable ({exc})")]
     if not isinstance(info, dict):
@@ -150,14 +186,21 @@ def _within_context(probe: Probe, facts: dict[str, Any]) -> Probe:
     return replace(probe, max_new_tokens=room) if 0 < room < probe.max_new_tokens else probe
 
 
-def _generation_checks(client: httpx.Client, probe: Probe) -> list[Check]:
+def _generation_checks(server: _Server, probe: Probe) -> list[Check]:
     body = {
         "input_ids": probe.input_ids,
         "rid": "eaglegen-doctor",
         "sampling_params": {"max_new_tokens": probe.max_new_tokens, "temperature": 0.0},
     }
     try:
-        response = client.post("/generate", json=body)
+        response = bounded.request(
+            server.http,
+            "POST",
+            "/generate",
+            server.generate_timeout_s,
+            GENERATE_MAX_BYTES,
+            json=body,
+        )
         response.raise_for_status()
         answer = response.json()
     except (httpx.HTTPError, ValueError) as exc:
@@ -216,6 +259,14 @@ def _contract(probe: Probe, answer: Any) -> Check:
         check_response(answer, sent, "doctor")
     except AttemptError as error:
         return Check("response contract", False, f"a worker would refuse it: {error}")
+    if probe.vocab_size is None:
+        ids = answer["output_ids"]  # integers: check_response saw to it
+        return Check(
+            "response contract",
+            None,
+            f"meets a worker's checks, but the vocabulary was not checked without a run file "
+            f"(largest output id {max(ids, default='none')}): give RUN.toml to check it",
+        )
     return Check("response contract", True, "a worker would store it as it is")
 
 
@@ -241,9 +292,11 @@ def _think_end(probe: Probe, ids: list[Any], meta: dict[str, Any]) -> Check:
     )
 
 
-def _metrics_check(client: httpx.Client) -> Check:
+def _metrics_check(server: _Server) -> Check:
     try:
-        response = client.get("/metrics", timeout=30)
+        response = server.get("/metrics")
+    except bounded.AnswerRefused as exc:
+        return Check("metrics", False, f"{exc}: a worker could not read it to set its limit")
     except httpx.HTTPError as exc:
         return Check(
             "metrics", False, f"/metrics does not answer ({exc}): launch with --enable-metrics"

@@ -1,5 +1,6 @@
 """A real HTTP server that answers /generate as a test tells it to: well-formed, wrong,
-huge or slow. Each answer is a function of the request (the parsed JSON body)."""
+huge or slow. Each answer is a function of the request (the parsed JSON body); a GET's, of
+its path (`Behaviour.get`)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from eaglegen.sim import SimConfig
 
 @dataclass
 class Answer:
-    """What the server sends: a JSON body, or ``stream`` (chunks written until the client
-    goes away, with no Content-Length), each chunk after ``pause_s``."""
+    """What the server sends: a JSON body (bytes: sent as they are), or ``stream`` (chunks
+    written until the client goes away, with no Content-Length), each chunk after
+    ``pause_s``. ``raw``: the stream is the whole response, status line and headers too."""
 
     body: Any = None
     stream: Iterator[bytes] | None = None
     pause_s: float = 0.0
+    raw: bool = False
 
 
 def good(request: dict[str, Any], output: list[Any] | None = None, **meta: Any) -> Answer:
@@ -45,6 +48,8 @@ class Behaviour:
     """The current answer function and what was sent (read by tests)."""
 
     answer: Callable[[dict[str, Any]], Answer] = good
+    # A GET's answer by path; without one (None, or None from it), a plain server's.
+    get: Callable[[str], Answer | None] | None = None
     bytes_sent: int = 0
     requests: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -55,7 +60,10 @@ class _Handler(BaseHTTPRequestHandler):
     behaviour: Behaviour
 
     def do_GET(self) -> None:
-        if self.path == "/get_model_info":
+        answer = None if self.behaviour.get is None else self.behaviour.get(self.path)
+        if answer is not None:
+            self._send(answer, "text/plain")
+        elif self.path == "/get_model_info":
             self._json({"model_path": SimConfig().model_path, "tokenizer_path": "tokenizer"})
         else:
             self._json({})
@@ -64,20 +72,26 @@ class _Handler(BaseHTTPRequestHandler):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.behaviour.lock:
             self.behaviour.requests += 1
-        answer = self.behaviour.answer(request)
+        self._send(self.behaviour.answer(request), "application/json")
+
+    def _send(self, answer: Answer, content_type: str) -> None:
         if answer.stream is None:
             self._json(answer.body, pause_s=answer.pause_s)
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Connection", "close")
-        self.end_headers()
+        if answer.raw:
+            self.close_connection = True
+        else:
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Connection", "close")
+            self.end_headers()
         self._write_all(answer.stream, answer.pause_s)
 
     def _json(self, body: Any, pause_s: float = 0.0) -> None:
-        data = json.dumps(body).encode()
+        text = isinstance(body, bytes)  # a /metrics body, say
+        data = body if text else json.dumps(body).encode()
         self.send_response(200)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/plain" if text else "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         # Dripped a byte at a time when asked to pause between writes.

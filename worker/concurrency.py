@@ -14,8 +14,11 @@ What the clients we read do, and what is taken from each:
   multiplicatively on new retractions (SGLang's preemption), then ignore the retractions of
   requests already admitted until the in-flight count has drained under the new limit.
 - TCP Reno's two phases give the damping: growth is multiplicative (slow start) until the first
-  congestion signal (a long queue or a retraction), additive afterwards; every change is
-  followed by a hold of one sample, so each decision sees the effect of the previous one.
+  congestion signal (a long queue or a retraction), additive afterwards near the knee; every
+  change is followed by a hold of one sample, so each decision sees the effect of the previous
+  one. Unlike Reno, growth after a cut turns multiplicative again while the server shows room
+  (below), since a cut can be far below the knee: a stalled server cut to the floor came back
+  from 4 to 200 at +1 per step, in 16 minutes.
 
 The result keeps the limit at the knee, where the server's running batch stops growing (KV
 full, admission's reservations full, or ``max_running_requests``): ``running + headroom``,
@@ -189,13 +192,23 @@ class ConcurrencyController:
         return binds and sample.queued <= headroom and projected < t.kv_target
 
     def _grow(self, sample: Sample, projected: float) -> Decision:
-        """Slow start until the first congestion signal, tapered as KV nears its target;
-        additive afterwards."""
+        """Multiplicative, tapered as KV nears its target, in slow start and whenever the
+        server shows room; additive otherwise (near the knee)."""
         t = self.tuning
+        headroom = t.headroom(sample.running)
+        additive = math.ceil(headroom / 2)
+        # Room: the server admits nearly all it is sent (a queue under half the one kept at
+        # the knee), so the knee may be far above the limit, and an additive climb there
+        # takes a step per missing request or two (4 -> 200: 112 samples, 9 minutes at 5 s).
+        # The slow-start factor takes 22. Its overshoot is bounded: KV's taper slows it near
+        # a full pool, and past the knee a queue builds, which ends it and is trimmed.
+        multiplicative = round(self.limit * t.growth * (1.0 - projected / t.kv_target))
         if self.slow_start:
-            step = round(self.limit * t.growth * (1.0 - projected / t.kv_target))
+            step = multiplicative
+        elif 2 * sample.queued < headroom:
+            step = max(additive, multiplicative)
         else:
-            step = math.ceil(t.headroom(sample.running) / 2)
+            step = additive
         why = f"KV {sample.token_usage:.0%} < {t.kv_target:.0%}, queue {sample.queued}: grow"
         return self._change(self.limit + max(1, step), why, sample)
 

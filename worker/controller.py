@@ -6,7 +6,12 @@ Redis lock reads the server's ``/metrics``, lets `worker.concurrency.Concurrency
 pick the next limit and stores it in Redis with the reason; the others do nothing until the
 lock lapses. A process that takes the lock over continues from the stored limit. Every worker
 reads the stored limit through `SharedLimits` (cached a second or two per process) when it
-takes a slot, and falls back to the server's configured limit while none is stored.
+takes a slot, and uses the server's configured limit until it has seen one stored.
+
+While the server is down or its ``/metrics`` cannot be read (an error, a stalled or oversized
+answer: core.bounded), the controller keeps the limit where it is, says so once, and keeps
+storing it: a limit that lapsed would send every worker back to the configured one (256 by
+default) against a server that may be struggling.
 
 Redis keys: ``keys.controller_lock(server)``, the controlling process's lock (worker.leader);
 ``keys.limit(server)``: JSON ``{"limit", "reason", "at", "by"}``, expiring when no controller
@@ -29,9 +34,11 @@ import httpx
 import redis
 
 from core import keys
+from core.bounded import AnswerRefused
 from core.settings import Settings
 from worker.concurrency import ConcurrencyController, Decision, Sample, Tuning
 from worker.leader import Leadership
+from worker.outages import REMINDER_S, Outages
 from worker.servers import Server
 from worker.slots import SlotPool
 
@@ -133,7 +140,8 @@ def read_limit(client: redis.Redis, server: str) -> LimitRecord | None:
 
 class SharedLimits:
     """The in-flight limit of each server for slot acquisition: the stored one, cached for
-    ``ttl_s`` per process, else the server's configured one (always, when fixed)."""
+    ``ttl_s`` per process; while none is stored, the last one seen, else the server's
+    configured one (always, when fixed)."""
 
     def __init__(
         self,
@@ -162,15 +170,20 @@ class SharedLimits:
             return limit
 
     def _read(self, server: Server, last: int) -> int:
-        """The stored limit; the last one known while Redis does not answer."""
+        """The stored limit; the last one known while Redis does not answer or none is
+        stored: a record that lapsed (its controller's process died, and the next has not
+        stored one yet) must not open the server to the configured limit meanwhile."""
         try:
             record = read_limit(self._client, server.name)
         except redis.RedisError:
             return last
-        return server.limit if record is None else record.limit
+        return last if record is None else record.limit
 
 
 # --- the controller ------------------------------------------------------------------------
+
+# The stored reason of a limit refreshed while nothing could be read (`eaglegen status`).
+KEPT = "kept while "
 
 
 @dataclass(frozen=True)
@@ -181,6 +194,14 @@ class ControllerSettings:
     tuning: Tuning = field(default_factory=Tuning)
     # The limit a controller starts from when none is stored; None: the server's own.
     start: int | None = None
+    # How often an unreadable /metrics is said again while it lasts (worker.outages).
+    remind_s: float = REMINDER_S
+
+    @property
+    def read_timeout_s(self) -> float:
+        """The whole /metrics read's deadline: within a step, so the lock (three steps)
+        never lapses behind a stalled read."""
+        return min(self.interval_s, 10.0)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ControllerSettings:
@@ -190,7 +211,7 @@ class ControllerSettings:
             max_limit=max(settings.concurrency_min, settings.concurrency_max),
             kv_target=settings.concurrency_kv_target,
         )
-        return cls(settings.concurrency_interval_s, tuning)
+        return cls(settings.concurrency_interval_s, tuning, remind_s=settings.log_reminder_s)
 
 
 class LimitController:
@@ -213,7 +234,8 @@ class LimitController:
         self._leadership = Leadership(client, owner)
         self.core: ConcurrencyController | None = None
         self._reason = ""  # why the limit is what it is (kept while it does not change)
-        self._unreadable = ""  # why /metrics gave nothing, logged once per reason
+        self._outages = Outages(self.config.remind_s, logger=log)
+        self._unreadable = f"server {server.name}: /metrics unreadable"  # its condition
 
     @property
     def enabled(self) -> bool:
@@ -230,11 +252,15 @@ class LimitController:
         if not self.enabled or not self._take_lock():
             self.core = None
             return None
-        if not self.server.healthy:
-            return None  # a down server's metrics say nothing about its capacity
         core = self.core or self._start()
+        if not self.server.healthy:
+            # A down server's metrics say nothing about its capacity (Router.mark says it
+            # is down); the limit stays stored for when it is back.
+            self._store(core.limit, f"{KEPT}the server is down")
+            return None
         sample = self._sample()
         if sample is None:
+            self._store(core.limit, f"{KEPT}/metrics is unreadable")
             return None
         decision = core.update(sample)
         self._publish(decision)
@@ -250,7 +276,11 @@ class LimitController:
         record = read_limit(self._client, self.server.name)
         start = self.config.start or self.server.limit
         self.core = ConcurrencyController(record.limit if record else start, self.config.tuning)
-        self._reason = record.reason if record else "the controller's start"
+        self._reason = "the controller's start"
+        if record is not None:
+            # A limit kept by a stalled leader says why it was kept, not why it is what it is.
+            kept = record.reason.startswith(KEPT)
+            self._reason = "the stored limit of the previous controller" if kept else record.reason
         log.info(
             "server %s: this process sets the in-flight limit (from %d)",
             self.server.name,
@@ -259,13 +289,16 @@ class LimitController:
         return self.core
 
     def _sample(self) -> Sample | None:
-        """The server's metrics with the slots held on it; None (logged once) if unreadable."""
-        timeout = min(self.config.interval_s, 10.0)
+        """The server's metrics with the slots held on it; None if unreadable, said when it
+        starts and when it ends (worker.outages), with reminders while it lasts."""
         try:
-            response = self.server.client.get("/metrics", timeout)
+            response = self.server.client.get("/metrics", self.config.read_timeout_s)
             response.raise_for_status()
             held = None if self._slots is None else self._slots.in_flight(self.server.name)
             sample = sample_from_metrics(response.text, held)
+        except AnswerRefused as exc:  # already one line naming /metrics
+            self._unread(str(exc))
+            return None
         except httpx.HTTPError as exc:
             self._unread(f"/metrics: {type(exc).__name__}: {exc}")
             return None
@@ -274,23 +307,24 @@ class LimitController:
                 "/metrics has no sglang scheduler gauges (started without --enable-metrics?)"
             )
         else:
-            self._unreadable = ""
+            self._outages.up(self._unreadable)
         return sample
 
     def _unread(self, reason: str) -> None:
-        """The limit stays as it is; say why once."""
-        if reason != self._unreadable:
-            log.warning("server %s: in-flight limit kept: %s", self.server.name, reason)
-            self._unreadable = reason
+        """The limit stays as it is; say so once per outage."""
+        limit = self.core.limit if self.core else self.server.limit
+        self._outages.down(
+            self._unreadable,
+            reason,
+            then=f"in-flight limit kept at {limit}",
+            ended=f"server {self.server.name}: /metrics read again",
+        )
 
     def _publish(self, decision: Decision) -> None:
         """Store the limit (refreshing its expiry even when unchanged); log a change once."""
         name = self.server.name
         self._reason = decision.reason or self._reason
-        seconds, micros = self._client.time()
-        record = LimitRecord(decision.limit, self._reason, seconds + micros / 1e6, self.owner)
-        ttl_s = max(60, math.ceil(self.config.interval_s * 20))
-        self._client.set(keys.limit(name), record.to_json(), ex=ttl_s)
+        self._store(decision.limit, self._reason)
         if decision.changed:
             level = logging.WARNING if decision.limit < decision.previous else logging.INFO
             log.log(
@@ -301,6 +335,13 @@ class LimitController:
                 decision.limit,
                 decision.reason,
             )
+
+    def _store(self, limit: int, reason: str) -> None:
+        """Store ``limit``, expiring after twenty steps without another store."""
+        seconds, micros = self._client.time()
+        record = LimitRecord(limit, reason, seconds + micros / 1e6, self.owner)
+        ttl_s = max(60, math.ceil(self.config.interval_s * 20))
+        self._client.set(keys.limit(self.server.name), record.to_json(), ex=ttl_s)
 
 
 class LimitControllers:

@@ -3,7 +3,8 @@
 Generations go out on the standard library's ``http.client``: a generation is one POST of
 JSON on a kept-alive connection, and httpx's layers around that cost the worker more of
 its one core per job than anything but the database (BENCHMARKS.md, "Orchestration
-ceiling"). Probes and metrics reads, a few a minute, stay on httpx.
+ceiling"). Probes and metrics reads, a few a minute, stay on httpx, each bounded in size and
+in total time (core.bounded).
 
 One connection per thread, never a pool shared by threads: httpcore's shared pool could
 close a connection it had just handed to another thread's request (encode/httpcore#1110),
@@ -25,7 +26,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from core import sampling
+from core import bounded, sampling
 from core.settings import ServerSpec
 from worker.retry import AttemptError, ErrorKind, classify_status, status_kind
 from worker.stream import Assembler, events
@@ -69,9 +70,7 @@ class SGLangClient:
         self._open_lock = threading.Lock()
         # Probes must not queue behind generations for a connection: a worker busy on
         # every thread would time its probe out and call a healthy server down.
-        self._probe = httpx.Client(
-            base_url=server.url, timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_connections=2)
-        )
+        self._probe = bounded.client(server.url, max_connections=2)
 
     @property
     def streaming(self) -> bool:
@@ -204,8 +203,10 @@ class SGLangClient:
         )
 
     def get(self, path: str, timeout_s: float) -> httpx.Response:
-        """A GET on the server (health probes, metrics), on its own small pool."""
-        return self._probe.get(path, timeout=timeout_s)
+        """A GET on the server (health probes, metrics), on its own small pool: its answer
+        read whole within ``timeout_s`` and the path's size cap, else `bounded.AnswerRefused`
+        (an httpx.HTTPError)."""
+        return bounded.get(self._probe, path, timeout_s)
 
     def _connection(self) -> http.client.HTTPConnection:
         """This thread's connection: the kept one unless idle too long, else a new one

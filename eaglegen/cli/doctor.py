@@ -33,13 +33,21 @@ def doctor(
             "reach its think-end token within it); cut to what the server's context leaves",
         ),
     ] = None,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="Seconds for each whole answer of /health, model and server info and "
+            "/metrics (a server that drips its answer fails the check after it)",
+        ),
+    ] = 10.0,  # eaglegen.doctor.PROBE_TIMEOUT_S, not imported: the CLI starts without httpx
     json_out: JsonFlag = False,
 ) -> None:
     """Check that a server keeps the exact tokens a run needs; exit 1 if a check fails."""
     from eaglegen.doctor import PROBE_MAX_NEW_TOKENS, examine
 
     probe = _probe(run_file, max_new_tokens or PROBE_MAX_NEW_TOKENS)
-    report = examine(server, probe)
+    report = examine(server, probe, probe_timeout_s=timeout)
     if json_out:
         emit_json(report.as_dict())
     else:

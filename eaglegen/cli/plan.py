@@ -161,8 +161,11 @@ def _get(url: str, path: str) -> tuple[Any, str | None]:
     """The JSON (or, for /metrics, the text) of ``url + path``, or None and why not."""
     import httpx
 
+    from core import bounded
+
     try:
-        response = httpx.get(url + path, timeout=SERVER_TIMEOUT_S)
+        with bounded.client(url) as http:
+            response = bounded.get(http, path, SERVER_TIMEOUT_S)
         response.raise_for_status()
         return (response.text if path == "/metrics" else response.json()), None
     except httpx.HTTPError as exc:

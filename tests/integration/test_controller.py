@@ -1,12 +1,14 @@
 """The adaptive limit over HTTP and Redis: a real simulator, real Redis, threads that take their
 slots through the Router. Two controllers, one writes; the limit moves to the server's knee; the
 Router holds the in-flight count under it; a second controller takes over from the stored
-limit when the first stops; a fixed limit stays fixed."""
+limit when the first stops; a stalled /metrics keeps the limit and is said once; a fixed limit
+stays fixed."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 import uuid
@@ -24,8 +26,9 @@ from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
 from tests.e2e.test_cli import eaglegen
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
+from tests.hostile import Answer, Behaviour, hostile_server
 from tests.workers import in_thread_worker
-from worker.concurrency import Tuning
+from worker.concurrency import Decision, Tuning
 from worker.controller import (
     ControllerSettings,
     LimitController,
@@ -207,9 +210,71 @@ def test_shared_limits_fall_back_and_cache(client: redis.Redis, attach: Attach) 
     assert limits.get(server) == START  # cached
     now[0] = 2.0
     assert limits.get(server) == 20
+    # A record that lapsed or is not one does not open the server to its configured limit
+    # (issue 27: workers went from 23 in flight to 113 when a stalled controller's lapsed).
     client.set(keys.limit(server.name), "not json")
     now[0] = 4.0
-    assert limits.get(server) == START
+    assert limits.get(server) == 20
+    client.delete(keys.limit(server.name))
+    now[0] = 6.0
+    assert limits.get(server) == 20
+    assert SharedLimits(client).get(server) == START  # a process that never saw one
+
+
+METRICS = b"sglang:num_running_reqs 0\nsglang:num_queue_reqs 0\nsglang:token_usage 0.1\n"
+
+
+def test_a_stalled_metrics_read_keeps_the_limit_stored_and_is_said_once(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    stalled = threading.Event()
+
+    def metrics(path: str) -> Answer | None:
+        if path != "/metrics":
+            return None
+        # A byte every 0.2 s, forever: each read gets one before its own timeout.
+        dripping = Answer(stream=itertools.repeat(b"#"), pause_s=0.2)
+        return dripping if stalled.is_set() else Answer(body=METRICS)
+
+    with hostile_server(Behaviour(get=metrics)) as url:
+        spec = ServerSpec(name=f"hostile-{uuid.uuid4().hex[:8]}", url=url)
+        server = Server(spec=spec, client=SGLangClient(spec, timeout_s=30), limit=256)
+        key = keys.limit(server.name)
+        client.set(key, LimitRecord(12, "trimmed", 0.0, "worker-gone").to_json(), ex=3)
+        # The read's deadline: the interval, 0.5 s.
+        controller = LimitController(server, client, "worker-a", None, ControllerSettings(0.5))
+        assert controller.step() is not None  # read, and no load: the limit stays at 12
+        stalled.set()
+        with caplog.at_level(logging.WARNING, logger="worker.controller"):
+            steps = [run_within(controller.step, 20.0) for _ in range(3)]
+        assert steps == [None] * 3
+        # Kept, and stored again at each step: it does not lapse into the default 256.
+        record = read_limit(client, server.name)
+        assert record is not None and record.limit == 12 and record.by == "worker-a"
+        assert record.reason == "kept while /metrics is unreadable"  # as `status` shows it
+        assert client.ttl(key) > 3
+        said = [r.getMessage() for r in caplog.records if "/metrics" in r.getMessage()]
+        assert len(said) == 1, said
+        assert "/metrics: no full answer within 0.5 s" in said[0] and "kept at 12" in said[0]
+        stalled.clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="worker.controller"):
+            decision = controller.step()
+        assert decision is not None and decision.limit == 12
+        assert "/metrics read again" in caplog.text
+        record = read_limit(client, server.name)
+        assert record is not None and record.reason == "trimmed"  # why it is 12, again
+        server.client.close()
+
+
+def run_within(step: Callable[[], Decision | None], timeout_s: float) -> Decision | None:
+    """``step()``, failing the test if it has not returned after ``timeout_s`` (a hang)."""
+    result: list[Decision | None] = []
+    thread = threading.Thread(target=lambda: result.append(step()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert result, f"the step hung for {timeout_s} s"
+    return result[0]
 
 
 def test_the_controller_settings_come_from_the_settings() -> None:

@@ -1,8 +1,11 @@
 """`eaglegen doctor` against real simulators: it passes a good server and names what is
-wrong with one that leaks prompt tokens, strips the think-end token or serves another model."""
+wrong with one that leaks prompt tokens, strips the think-end token or serves another model;
+against a hostile server, each answer too large or too slow fails its check instead of
+filling the doctor's memory or hanging it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -11,8 +14,10 @@ from typing import Any
 import pytest
 
 from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.doctor import Probe, examine
 from eaglegen.sim import FaultConfig, SimConfig, SimServer
 from tests.e2e.test_cli import eaglegen
+from tests.hostile import Answer, Behaviour, hostile_server
 
 # The bundled template opens a reasoning block, so the probe must come back with </think>.
 GOOD = SimConfig(seed=3, decode_step_ms=0.2, decode_ms_per_request=0.01)
@@ -80,6 +85,8 @@ def test_without_a_run_file_the_generic_checks_run(tmp_path: Path) -> None:
         text = eaglegen("doctor", "--server", sim.url)
     assert code == 0 and verdicts(document)["model"] is None  # nothing to compare with
     assert "special tokens" not in verdicts(document)
+    [contract] = [c for c in document["checks"] if c["check"] == "response contract"]
+    assert contract["ok"] is None and "vocabulary was not checked" in contract["detail"]
     assert text.returncode == 0 and "ok   completion count" in text.stdout
 
 
@@ -110,3 +117,53 @@ def test_an_unreachable_server_is_one_failed_line(tmp_path: Path) -> None:
     done = eaglegen("doctor", "--server", "http://127.0.0.1:9")
     assert done.returncode == 1
     assert "FAIL reachable" in done.stdout and "Traceback" not in done.stderr
+
+
+# --- a hostile server: every answer bounded ------------------------------------------------
+
+MIB = 1 << 20
+DRIP = Answer(stream=itertools.repeat(b" "), pause_s=0.2)  # a byte every 0.2 s, forever
+
+
+def hostile_get(path: str) -> Answer | None:
+    """Too much on the model info and metrics, a drip on the server info."""
+    if path == "/get_model_info":
+        return Answer(stream=itertools.repeat(b"[" * MIB, 64))
+    if path == "/metrics":
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: 400000000\r\n\r\n"
+        return Answer(stream=itertools.chain([head], itertools.repeat(b"#" * MIB, 16)), raw=True)
+    if path == "/get_server_info":
+        return DRIP
+    return None
+
+
+@pytest.mark.timeout(60)  # a hang detector: the reads below end within 1 s each
+def test_each_answer_is_capped_and_has_a_deadline() -> None:
+    behaviour = Behaviour(answer=lambda request: DRIP, get=hostile_get)
+    with hostile_server(behaviour) as url:
+        report = examine(url, Probe([1, 2, 3], max_new_tokens=16), 1.0, probe_timeout_s=1.0)
+    details = {c.name: (c.ok, c.detail) for c in report.checks}
+    assert details == {
+        "reachable": (True, f"{url} answers /health"),
+        "model": (False, "/get_model_info: answer over 1 MiB: the model is unknown"),
+        "server info": (None, "unavailable: /get_server_info: no full answer within 1 s"),
+        "generate": (
+            False, "/generate with input_ids failed: /generate: no full answer within 1 s"
+        ),
+        "metrics": (
+            False,
+            "/metrics: answer of 400000000 bytes declared, over 4 MiB: a worker could not "
+            "read it to set its limit",
+        ),
+    }  # fmt: skip
+
+
+def test_a_server_dripping_its_health_answer_fails_the_doctor_in_one_line() -> None:
+    # Without a total deadline, a byte every 0.2 s kept `doctor` waiting forever.
+    with hostile_server(Behaviour(get=lambda path: DRIP if path == "/health" else None)) as url:
+        done = eaglegen("doctor", "--server", url, "--timeout", "1", timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.splitlines() == [
+        f"FAIL reachable: {url}: /health: no full answer within 1 s: is it up?"
+    ]
+    assert "Traceback" not in done.stderr

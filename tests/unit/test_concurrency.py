@@ -5,6 +5,7 @@ SGLang's /metrics."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import statistics
@@ -154,6 +155,46 @@ def test_the_same_sample_with_room_grows_only_up_to_what_the_workers_fill() -> N
     limits = [controller.update(room).limit for _ in range(50)]
     # One step up, then the 50 in flight no longer fill the limit: no further growth.
     assert limits[0] > 50 and set(limits) == {limits[0]}
+
+
+def cut_to_the_floor(start: int) -> ConcurrencyController:
+    """A controller that a stalled server (retracting with 2 running) cut to its minimum."""
+    controller = ConcurrencyController(start)
+    for i in itertools.count():
+        if controller.limit == TUNING.min_limit:
+            return controller
+        controller.update(sample(2, queued=50, usage=0.95, retracted=3 * i, in_flight=2))
+    raise AssertionError("unreachable")
+
+
+def test_after_a_cut_a_server_with_room_is_regrown_multiplicatively() -> None:
+    """Issue 27: a cut to 4 came back to 200 at +1 per step (16 minutes at 5 s)."""
+    controller = cut_to_the_floor(200)
+    server = SteadyServer(250, 0.6)  # admits all it is sent up to 250
+    limits = [controller.limit]
+    while controller.limit < 200:
+        assert len(limits) <= 30, f"regrowth too slow: {limits}"
+        limits.append(controller.update(server.read(controller.limit)).limit)
+    # Twenty-odd samples (each change then held one), growing by a factor, not a step.
+    changes = [b / a for a, b in itertools.pairwise(limits) if b != a]
+    assert min(changes) > 1.25, changes
+
+
+def test_after_a_cut_growth_near_the_knee_stays_additive() -> None:
+    """A queue of half the headroom or more says the knee is near: a step, not a factor."""
+    controller = cut_to_the_floor(200)
+    server = SteadyServer(250, 0.6)
+    while controller.limit < 100:
+        controller.update(server.read(controller.limit))
+    controller.update(sample(50, usage=0.3, in_flight=50))  # neither grows nor trims: unheld
+    limit, twin = controller.limit, copy.deepcopy(controller)
+    running = limit - TUNING.headroom(limit)
+    headroom = TUNING.headroom(running)  # the queue kept at the knee, at this batch
+    room = controller.update(sample(limit, queued=0, usage=0.3, in_flight=limit))
+    near = twin.update(sample(running, queued=headroom, usage=0.3, in_flight=limit))
+    step = math.ceil(headroom / 2)
+    assert near.limit == limit + step and "grow" in near.reason
+    assert room.limit > limit + 3 * step
 
 
 def test_tuning_rejects_knobs_that_cannot_control() -> None:

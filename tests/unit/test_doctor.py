@@ -68,6 +68,22 @@ def test_no_output_ids_is_the_openai_api() -> None:
     assert check.ok is False and "native API" in check.detail
 
 
+def test_without_a_vocabulary_the_contract_says_it_was_not_checked() -> None:
+    """Issue 27: output ids of 10^9 were "a worker would store it as it is" without a run
+    file; the run's vocabulary, which a worker checks them against, was never known."""
+    checks = judge_generation(Probe(PROMPT, max_new_tokens=64), answer([40, 10**9, 7]))
+    [contract] = [c for c in checks if c.name == "response contract"]
+    assert contract.ok is None and "would store it" not in contract.detail
+    assert "vocabulary was not checked" in contract.detail and "1000000000" in contract.detail
+    with_vocab = Probe(PROMPT, vocab_size=200, max_new_tokens=64)
+    [refused] = [
+        c
+        for c in judge_generation(with_vocab, answer([40, 10**9, 7]))
+        if c.name == "response contract"
+    ]
+    assert refused.ok is False and "would refuse" in refused.detail
+
+
 def test_leaks_shorter_than_the_minimum_are_chance() -> None:
     assert leaked_prompt(PROMPT, [17, 18, 40]) == 0
     assert leaked_prompt(PROMPT, [15, 16, 17, 18, 40]) == 4
