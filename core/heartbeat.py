@@ -29,6 +29,10 @@ class ServerBeat:
     limit: int  # the in-flight limit it obeys (fixed, or the controller's)
     adaptive: bool  # the limit is set by a concurrency controller
     model: str | None  # what /get_model_info said it serves; None until it answered
+    # The model it served before this process saw its model change (another server answered
+    # on its URL), and when that was seen, on Redis's clock; None while it never changed.
+    previous_model: str | None = None
+    model_changed_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,9 @@ class Heartbeat:
                 held=int(s["held"]),
                 limit=int(s["limit"]),
                 adaptive=bool(s["adaptive"]),
-                model=None if s.get("model") is None else str(s["model"]),
+                model=_text(s.get("model")),
+                previous_model=_text(s.get("previous_model")),
+                model_changed_at=_number(s.get("model_changed_at")),
             )
             for name, s in (data.get("servers") or {}).items()
         }
@@ -93,6 +99,14 @@ class Heartbeat:
             cpus=None if data.get("cpus") is None else str(data["cpus"]),
             membind=None if data.get("membind") is None else str(data["membind"]),
         )
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def write(client: redis.Redis, beat: Heartbeat, ttl_s: int) -> None:

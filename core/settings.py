@@ -110,6 +110,10 @@ class Settings(BaseSettings):
     slot_lease_seconds: float = Field(default=60.0, gt=0)
     slot_wait_s: float = Field(default=10.0, ge=0)
     health_interval_s: float = Field(default=10.0, gt=0)
+    # Each server is asked /get_model_info again this often (and whenever it comes back
+    # from down): another model swapped in behind its URL between two health probes is found
+    # within this interval. The call is far cheaper than a /health_generate probe.
+    reidentify_interval_s: float = Field(default=10.0, gt=0)
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
     reconcile_interval_s: float = Field(default=60.0, gt=0)
     # A queued job published this long ago whose message is missing from Redis is published

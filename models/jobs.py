@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, func, insert, select, update
 
+from core.text import visible
 from models import attempt
 from models.counters import moved
 from models.records import Claim, GenerationRecord
@@ -151,7 +152,9 @@ def _settle(
         "state": target.value,
         "reserved_tokens": 0,
         "lease_until": None,
-        "last_error": None if error is None else error[:4000],
+        # A server's own words may be in it (an error body): stored without the control
+        # characters that would rewrite the terminal of whoever reads it in `status`.
+        "last_error": None if error is None else visible(error)[:4000],
         "updated_at": func.now(),
     }
     if target in (JobState.DONE, JobState.FAILED):

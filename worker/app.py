@@ -155,11 +155,21 @@ def _ending(ctx: WorkerContext, task: Task, job_id: int, result: Result) -> str:
     if result.outcome is Outcome.FAILED:
         raise JobFailed(result.reason)
     if result.outcome is Outcome.SKIPPED:
-        task.send_event(wire.SKIPPED_EVENT, result=wire.SKIPPED_RESULT)
+        _tell_skipped(ctx, task)
         raise Ignore()  # no task-succeeded after it: the task stays SKIPPED
     if result.outcome is Outcome.DONE:
         return f"done · {result.tokens:,} tokens"
     return f"{result.outcome.value}: {result.reason}"  # a duplicate message, a lost claim
+
+
+def _tell_skipped(ctx: WorkerContext, task: Task) -> None:
+    """Flower's SKIPPED for a job whose skip Postgres holds already: Redis out of reach
+    costs Flower's view of it (said once per outage), never the outcome."""
+    try:
+        task.send_event(wire.SKIPPED_EVENT, result=wire.SKIPPED_RESULT)
+    except Exception as exc:
+        if not ctx.outages.service_down(exc):
+            raise
 
 
 def nodename(servers: Sequence[str], numa_node: int | None = None) -> str:
@@ -218,7 +228,8 @@ def start(
     if (eviction := eviction_warning(ctx.redis)) is not None:
         log.warning("%s", eviction)
     log.warning(
-        "worker %s: at most %d Postgres connections (EAGLEGEN_DB_POOL_SIZE), %d threads",
+        "worker %s: at most %d Postgres connections (EAGLEGEN_DB_POOL_SIZE) and one for job "
+        "leases, %d threads",
         ctx.name,
         settings.db_pool_size,
         settings.worker_concurrency,
@@ -277,20 +288,26 @@ class _Ending(logging.Filter):
 
 
 def release_held(ctx: WorkerContext) -> list[int]:
-    """Give back every job this process still holds, in any phase, without spending an
-    attempt, and its slots; the released ids (the feeder publishes them again)."""
-    running, released = ctx.running_jobs(), []
+    """Give back every job this process still holds, in any phase (being claimed, running,
+    or left in doubt by a database error), without spending an attempt, and its slots; the
+    released ids (the feeder publishes them again).
+
+    A job noted here that is not ours in Postgres (a claim that never committed, a job
+    another worker took since) is left as it is: the release matches only this worker's
+    running jobs. It goes through the leases' own connection: the task threads may hold
+    every pooled one when the grace period ends."""
+    held, released = ctx.held_jobs(), []
     try:
-        for job in running:
-            if ctx.repo.release(
+        for job in held:
+            if ctx.leases.release(
                 job, ctx.name, "worker stopped before the request finished", refund=True
             ):
                 released.append(job)
     except DATABASE_UNAVAILABLE as exc:  # they stay running until their leases lapse
         log.warning(
-            "could not give back %d running job(s) (%s): the reconciler re-queues them once "
-            "their leases lapse (EAGLEGEN_LEASE_SECONDS)",
-            len(running) - len(released),
+            "could not give back %d held job(s) (%s): the reconciler re-queues those still "
+            "running once their leases lapse (EAGLEGEN_LEASE_SECONDS)",
+            len(held) - len(released),
             one_line(exc),
         )
     try:

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from worker.numa import PinResult
 from worker.outages import one_line
 from worker.reconcile import reconcile
 from worker.runner import WorkerContext, heartbeat_ttl
-from worker.servers import probe
+from worker.servers import Server, probe
 from worker.slots import SlotPool
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class Background:
         worker_ready.connect(self._consumer_ready, weak=False)
         self._loop("heartbeat", s.heartbeat_interval_s, self.beat)
         self._loop("health", s.health_interval_s, self.check_health)
+        self._loop("identity", s.reidentify_interval_s, self.reidentify)
         self._loop("leases", min(s.lease_seconds, s.slot_lease_seconds) / 3, self.renew)
         self._loop("reconciler", s.reconcile_interval_s, self.reconcile_if_leader)
         self._start_thread("feeder", self._feed_loop)
@@ -123,29 +125,19 @@ class Background:
     def beat(self) -> None:
         """Write this process's heartbeat (expires after three missed beats)."""
         s = self.ctx.settings
-        adaptive = {c.server.name for c in self.limits.controllers}
+        # Redis's clock, the one every reader compares it with (hosts' clocks differ).
+        now = redis_now(self.ctx.redis)
         record = Heartbeat(
             worker=self.ctx.name,
             nodename=self.nodename,
             host=socket.gethostname(),
             pid=os.getpid(),
-            # Redis's clock, the one every reader compares it with (hosts' clocks differ).
-            ts=redis_now(self.ctx.redis),
+            ts=now,
             in_flight=len(self.ctx.running_jobs()),
             threads=s.worker_concurrency,
             consuming=self.consuming,
             db_pool=s.db_pool_size,
-            servers={
-                srv.name: ServerBeat(
-                    healthy=srv.healthy,
-                    reason=srv.reason,
-                    held=len(srv.held),
-                    limit=self.ctx.router.limit(srv),
-                    adaptive=srv.name in adaptive,
-                    model=srv.served.model_path if srv.served else None,
-                )
-                for srv in self.ctx.router.servers
-            },
+            servers={srv.name: self._server_beat(srv, now) for srv in self.ctx.router.servers},
             unserved_runs=dict(self.ctx.unserved),
             numa_node=None if self.pinned is None else self.pinned.node,
             cpus=None if self.pinned is None else self.pinned.cpus,
@@ -156,15 +148,41 @@ class Background:
         for conflict in self.ctx.hold_server_names():
             log.error("%s", conflict)
 
+    def _server_beat(self, server: Server, now: float) -> ServerBeat:
+        """One server in the heartbeat; ``now`` is Redis's clock."""
+        changed_at = None
+        if server.changed_at is not None:  # monotonic here: told on Redis's clock
+            changed_at = now - (time.monotonic() - server.changed_at)
+        return ServerBeat(
+            healthy=server.healthy,
+            reason=server.reason,
+            held=len(server.held),
+            limit=self.ctx.router.limit(server),
+            adaptive=server.name in {c.server.name for c in self.limits.controllers},
+            model=server.served.model_path if server.served else None,
+            previous_model=server.previous.model_path if server.previous else None,
+            model_changed_at=changed_at,
+        )
+
     def check_health(self) -> None:
-        """Probe every attached server; stop consuming while none is up and identified."""
-        timeout = min(self.ctx.settings.health_interval_s * 3, 60.0)
-        self.ctx.router.identify_unknown(timeout, self.ctx.settings.health_interval_s)
+        """Probe every attached server, then ask those that came back (or were never
+        identified) what they serve; stop consuming while none is up and identified."""
+        timeout = self._identify_timeout()
         for server in self.ctx.router.servers:
             reason = probe(server, timeout)
-            # Said when it goes down or comes back, reminded of while it stays down.
+            # Said when it goes down or comes back, reminded of while it stays down. Either
+            # edge forgets its model: one back up takes no job before it said it again, here.
             self.ctx.router.mark(server, healthy=reason is None, reason=reason or "")
+        self.ctx.router.identify_unknown(timeout, self.ctx.settings.health_interval_s)
         self._set_consuming(self.ctx.router.any_ready())
+
+    def reidentify(self) -> None:
+        """Ask the identified servers again what they serve (EAGLEGEN_REIDENTIFY_INTERVAL_S):
+        one swapped behind its URL between two health probes never looked down."""
+        self.ctx.router.reidentify(self._identify_timeout())
+
+    def _identify_timeout(self) -> float:
+        return min(self.ctx.settings.health_interval_s * 3, 60.0)
 
     def _set_consuming(self, consume: bool) -> None:
         with self._consuming_lock:
@@ -203,11 +221,17 @@ class Background:
             )
 
     def renew(self) -> None:
-        """Extend the leases of running jobs and held slots."""
-        self.ctx.router.renew()
-        if running := self.ctx.running_jobs():
-            self.ctx.repo.extend_leases(running, self.ctx.name, self.ctx.settings.lease_seconds)
-            self.ctx.outages.database_ok()
+        """Extend the leases of running jobs and held slots, each whatever became of the
+        other (Postgres and Redis fail apart). Job leases go through their own connection
+        (WorkerContext.leases): in the task threads' pool they waited behind busy tasks
+        under load, and the leases of live jobs lapsed."""
+        try:
+            if running := self.ctx.running_jobs():
+                s = self.ctx.settings
+                self.ctx.leases.extend_leases(running, self.ctx.name, s.lease_seconds)
+                self.ctx.outages.database_ok()
+        finally:
+            self.ctx.router.renew()
 
     def reconcile_if_leader(self) -> None:
         """Run the reconciler when this worker holds (or wins) the Redis lock."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from core.text import visible
 from models.records import RunModel
 
 
@@ -29,7 +30,12 @@ class Served:
         if not isinstance(model_info, dict) or not isinstance(model_info.get("model_path"), str):
             raise ValueError(f"/get_model_info names no model_path: {str(model_info)[:200]}")
         tokenizer = model_info.get("tokenizer_path")
-        return cls(model_info["model_path"], tokenizer if isinstance(tokenizer, str) else "")
+        # The server's words go to logs, the heartbeat, `status` and jobs' last_error: never
+        # with the control characters that would rewrite the terminal showing them.
+        return cls(
+            visible(model_info["model_path"]),
+            visible(tokenizer) if isinstance(tokenizer, str) else "",
+        )
 
 
 def name(path: str) -> str:

@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -21,13 +22,14 @@ from sqlalchemy.exc import TimeoutError as SQLTimeoutError
 
 from core.broker import Publisher
 from core.settings import ServerSpec, Services, Settings
+from core.text import visible
 from models.db import make_engine
 from models.records import ClaimedJob, GenerationRecord, RunModel
 from models.repository import Repository
 from worker.controller import SharedLimits
 from worker.metrics import WorkerMetrics
 from worker.names import ServerNames
-from worker.outages import Outages
+from worker.outages import Outages, one_line
 from worker.reasoning import split_reasoning
 from worker.retry import AttemptError, Disposition, ErrorKind, backoff, decide
 from worker.servers import Lease, Router, Server, probe
@@ -62,6 +64,17 @@ def worker_engine(database_url: str, settings: Settings) -> Engine:
     )
 
 
+def lease_engine(database_url: str) -> Engine:
+    """The engine of a worker's job leases: their renewal, and the release at shutdown.
+    One connection of its own, never the task threads' pool: in that pool, renewals waited
+    behind busy tasks past the pool's timeout, and the leases of live jobs lapsed. Checked
+    before each use (``pre_ping``, one round trip a pass), so it reconnects by itself after
+    an outage. A shutdown release that meets a renewal waits for its one transaction."""
+    return make_engine(
+        database_url, pool_size=1, max_overflow=0, hold_limit_ms=DB_HOLD_LIMIT_MS, pre_ping=True
+    )
+
+
 def heartbeat_ttl(settings: Settings) -> int:
     """Seconds a heartbeat (and a held server name) lives unless renewed: three beats."""
     return max(1, int(3 * settings.heartbeat_interval_s))
@@ -82,6 +95,9 @@ class Outcome(Enum):
     # again after a health interval (here or to another worker).
     UNSERVED = "unserved"
 
+
+# Said while slots cannot be given back (Redis out of reach).
+SLOTS_KEPT = "slots not given back"
 
 # Outcomes after which the job waits in the queue to be run again.
 SENT_BACK = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.NO_SLOT, Outcome.UNSERVED})
@@ -110,6 +126,8 @@ class WorkerContext:
 
     settings: Settings
     repo: Repository
+    # The job leases' own connection (see `lease_engine`).
+    leases: Repository
     router: Router
     redis: redis.Redis
     publisher: Publisher
@@ -117,6 +135,13 @@ class WorkerContext:
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     # The jobs this process runs (their leases renewed, released at shutdown).
     in_flight: set[int] = field(default_factory=set)
+    # Jobs whose claim is under way, counted per thread (two messages of one job may be
+    # claimed at once): the claim may commit before its thread hears of it.
+    claiming: Counter[int] = field(default_factory=Counter)
+    # Jobs a database error left in doubt (a claim, record or release whose answer never
+    # came back): maybe ours in Postgres with no thread on them. Not renewed, so their
+    # leases lapse for the reconciler, but given back at once at shutdown.
+    doubtful: set[int] = field(default_factory=set)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     stopping: threading.Event = field(default_factory=threading.Event)
     # Runs none of this worker's servers may generate, with why (logged once per reason).
@@ -161,6 +186,7 @@ class WorkerContext:
         return cls(
             settings=settings,
             repo=repo,
+            leases=Repository(lease_engine(services.database_url)),
             router=router,
             redis=client,
             publisher=Publisher(services.broker_url, settings.queue),
@@ -173,18 +199,47 @@ class WorkerContext:
         """Hold this worker's server names in the cluster; a line per name held elsewhere."""
         return self.names.hold([s.spec for s in self.router.servers])
 
-    def track(self, job_id: int, running: bool) -> None:
-        """Remember which jobs this process runs, for lease renewal."""
+    def begin_claim(self, job_id: int) -> bool:
+        """Note a claim before it is made, so that shutdown gives its job back whatever
+        becomes of it; False (nothing noted) once the worker is stopping: a claim made
+        after shutdown's release would leave its job to wait out the lease."""
         with self._lock:
-            if running:
+            if self.stopping.is_set():
+                return False
+            self.claiming[job_id] += 1
+            return True
+
+    def end_claim(self, job_id: int, won: bool | None) -> None:
+        """How a claim went: won (the job runs here, its lease renewed), not won, or None
+        when an error hid whether it committed (the job kept in doubt, for shutdown)."""
+        with self._lock:
+            self.claiming[job_id] -= 1
+            if self.claiming[job_id] <= 0:
+                del self.claiming[job_id]
+            if won:
                 self.in_flight.add(job_id)
-            else:
-                self.in_flight.discard(job_id)
+                self.doubtful.discard(job_id)  # ours by a claim we know of
+            elif won is None:
+                self.doubtful.add(job_id)
+
+    def end_attempt(self, job_id: int, settled: bool) -> None:
+        """The attempt of a job running here ended: settled in Postgres, or (not
+        ``settled``) cut by an error that may have left it ours (kept in doubt)."""
+        with self._lock:
+            self.in_flight.discard(job_id)
+            if not settled:
+                self.doubtful.add(job_id)
 
     def running_jobs(self) -> list[int]:
         """The jobs this process is running now."""
         with self._lock:
             return list(self.in_flight)
+
+    def held_jobs(self) -> list[int]:
+        """Every job this process may hold in Postgres: running, being claimed, or left in
+        doubt by a database error (what shutdown gives back)."""
+        with self._lock:
+            return sorted(self.in_flight | self.doubtful | self.claiming.keys())
 
     def begin_stop(self) -> Drain:
         """Take no new job from now on; the jobs running now, whose ends `ended` counts."""
@@ -192,7 +247,7 @@ class WorkerContext:
             if self.drain is None:
                 self.drain = Drain(frozenset(self.in_flight))
             drain = self.drain
-        self.stopping.set()
+            self.stopping.set()  # under the lock: no claim is noted after it (begin_claim)
         return drain
 
     def ended(self, job_id: int, outcome: Outcome) -> None:
@@ -206,6 +261,7 @@ class WorkerContext:
         for server in self.router.servers:
             server.client.close()
         self.repo.engine.dispose()
+        self.leases.engine.dispose()
         self.redis.close()
         self.publisher.close()
 
@@ -276,16 +332,37 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
         )
     held = [lease]  # the slot this attempt holds; another if the job's model is elsewhere
     try:
-        if ctx.stopping.is_set():  # it began to stop while this one waited for the slot
-            return Result(Outcome.NO_SLOT, reason="worker stopping")
         return _claimed_attempt(ctx, job_id, held)
     finally:
         for each in held:
-            ctx.router.release(each)
+            _give_back(ctx, each)
+
+
+def _give_back(ctx: WorkerContext, lease: Lease) -> None:
+    """Return a slot. Redis out of reach changes nothing of how the attempt ended (its job
+    may be recorded already): the slot, no longer renewed, lapses by itself."""
+    try:
+        ctx.router.release(lease)
+    except redis.RedisError as exc:
+        ctx.outages.down(
+            SLOTS_KEPT,
+            one_line(exc),
+            then="their leases lapse by themselves",
+            ended="slots given back again",
+        )
+    else:
+        ctx.outages.up(SLOTS_KEPT)
 
 
 def _claimed_attempt(ctx: WorkerContext, job_id: int, held: list[Lease]) -> Result:
-    claim = ctx.repo.claim(job_id, ctx.name, ctx.settings.lease_seconds)
+    if not ctx.begin_claim(job_id):  # it began to stop while this one waited for the slot
+        return Result(Outcome.NO_SLOT, reason="worker stopping")
+    won: bool | None = None  # unknown until the claim answers
+    try:
+        claim = ctx.repo.claim(job_id, ctx.name, ctx.settings.lease_seconds)
+        won = claim.job is not None
+    finally:
+        ctx.end_claim(job_id, won)
     ctx.outages.database_ok()
     if claim.outcome == "deferred":
         wait = ctx.settings.budget_defer_s
@@ -299,16 +376,20 @@ def _claimed_attempt(ctx: WorkerContext, job_id: int, held: list[Lease]) -> Resu
         return Result(Outcome.SKIPPED, reason="skipped_budget: the dataset's budget is spent")
     if claim.job is None:
         return Result(Outcome.NOT_CLAIMED, reason="no longer queued (done or taken elsewhere)")
-    job = claim.job
-    # Tracked (its lease renewed, released at shutdown) until it is recorded or settled.
-    ctx.track(job_id, True)
+    settled = False  # until the attempt ends settled; an error leaves the job in doubt
     try:
-        lease = _slot_of_its_model(ctx, job, held)
-        if isinstance(lease, Result):
-            return lease
-        return _generated(ctx, job, lease.server)
+        result = _run_claimed(ctx, claim.job, held)
+        settled = True
+        return result
     finally:
-        ctx.track(job_id, False)
+        ctx.end_attempt(job_id, settled)
+
+
+def _run_claimed(ctx: WorkerContext, job: ClaimedJob, held: list[Lease]) -> Result:
+    lease = _slot_of_its_model(ctx, job, held)
+    if isinstance(lease, Result):
+        return lease
+    return _generated(ctx, job, lease.server)
 
 
 def _slot_of_its_model(ctx: WorkerContext, job: ClaimedJob, held: list[Lease]) -> Lease | Result:
@@ -330,7 +411,7 @@ def _slot_of_its_model(ctx: WorkerContext, job: ClaimedJob, held: list[Lease]) -
         reason = f"no free slot on a server of model {wanted.model!r}"
         ctx.repo.release(job.id, ctx.name, reason, refund=True)
         return Result(Outcome.RETRY, reason=reason)
-    ctx.router.release(held.pop())
+    _give_back(ctx, held.pop())
     held.append(other)
     return other
 
@@ -361,6 +442,10 @@ def _generated(ctx: WorkerContext, job: ClaimedJob, server: Server) -> Result:
             failure = None
     if failure is not None:
         return _settle_failure(ctx, server, job, failure)
+    if changed := server.still_serves(job.run_model):  # another model answered: not the run's
+        wait = ctx.settings.health_interval_s
+        ctx.repo.release(job.id, ctx.name, changed, refund=True, retry_in_s=wait)
+        return Result(Outcome.UNSERVED, wait, reason=changed)
     try:
         recorded = _record(ctx, job.id, record)
     except DATABASE_UNAVAILABLE:
@@ -427,27 +512,30 @@ def _generate(server: Server, job: ClaimedJob) -> GenerationRecord:
 def _settle_failure(
     ctx: WorkerContext, server: Server, job: ClaimedJob, error: AttemptError
 ) -> Result:
+    # A server's own words may be in it (an error body): stored, logged and shown in Flower
+    # without the control characters that would rewrite the terminal reading them.
+    said = visible(str(error))
     if ctx.stopping.is_set():
         # Cut short by shutdown, not by the job: give it back without spending an attempt
         # (nor counting it as the server's failure).
-        ctx.repo.release(job.id, ctx.name, f"worker shutting down: {error}", refund=True)
-        return Result(Outcome.RETRY, reason=f"worker stopping ({error.kind}: {error})")
+        ctx.repo.release(job.id, ctx.name, f"worker shutting down: {said}", refund=True)
+        return Result(Outcome.RETRY, reason=f"worker stopping ({error.kind}: {said})")
     if error.transport:
         # One lost connection says little (a keep-alive race, a proxy reset): stop sending to
         # the server only when its health check fails too; the health loop brings it back.
         down = probe(server, timeout_s=min(ctx.settings.health_interval_s, 5.0))
         if down is not None:
-            ctx.router.mark(server, healthy=False, reason=f"{error}; {down}")
+            ctx.router.mark(server, healthy=False, reason=f"{said}; {visible(down)}")
     if decide(error, job.attempts, ctx.settings.max_attempts) is Disposition.RETRY:
         wait = backoff(job.attempts, ctx.settings.retry_base_s, ctx.settings.retry_cap_s)
         ctx.repo.release(
-            job.id, ctx.name, str(error), server=server.name, kind=error.kind, retry_in_s=wait
+            job.id, ctx.name, said, server=server.name, kind=error.kind, retry_in_s=wait
         )
         return Result(
             Outcome.RETRY,
             retry_in_s=wait,
-            reason=f"attempt {job.attempts} failed ({error.kind}): {error}; again in {wait:.3g} s",
+            reason=f"attempt {job.attempts} failed ({error.kind}): {said}; again in {wait:.3g} s",
         )
-    ctx.repo.fail(job.id, ctx.name, str(error), server=server.name, kind=error.kind)
-    log.warning("job %s failed after %s attempt(s): %s", job.id, job.attempts, error)
-    return Result(Outcome.FAILED, reason=f"after {job.attempts} attempt(s) ({error.kind}): {error}")
+    ctx.repo.fail(job.id, ctx.name, said, server=server.name, kind=error.kind)
+    log.warning("job %s failed after %s attempt(s): %s", job.id, job.attempts, said)
+    return Result(Outcome.FAILED, reason=f"after {job.attempts} attempt(s) ({error.kind}): {said}")

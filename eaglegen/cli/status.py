@@ -90,6 +90,7 @@ def status(
         connections_warning(in_use, limit),
         broker_warning(settings.broker_url),
         *_unserved(beats),
+        *_model_changes(beats),
     ]
     for warning in filter(None, warnings):
         err.print(f"[yellow]warning:[/] {inline(warning)}", highlight=False)
@@ -266,6 +267,21 @@ def _unserved(beats: list[Heartbeat] | None) -> list[str]:
         for run, reason in beat.unserved_runs.items():
             reasons.setdefault(run, f"worker {beat.worker}: {reason}")
     return [f"run {run}: {reason}" for run, reason in sorted(reasons.items())]
+
+
+def _model_changes(beats: list[Heartbeat] | None) -> list[str]:
+    """Servers some live worker saw start serving another model behind the same URL."""
+    changes: dict[tuple[str, str | None, str], str] = {}
+    for beat in beats or []:
+        for name, server in beat.servers.items():
+            if server.previous_model is not None:
+                key = (name, server.model, server.previous_model)
+                changes.setdefault(key, beat.worker)
+    return [
+        f"server {name} serves {model or 'a model not known yet'} (changed from {previous}, "
+        f"seen by worker {worker}): runs for {previous} are no longer generated there"
+        for (name, model, previous), worker in sorted(changes.items(), key=lambda c: str(c[0]))
+    ]
 
 
 def broker_warning(broker_url: str | None) -> str | None:

@@ -151,25 +151,25 @@ def mean_completion(datasets: Iterable[DatasetStatus]) -> float | None:
 def server_rows(
     servers: Sequence[ServerStatus], beats: Sequence[Heartbeat]
 ) -> list[dict[str, Any]]:
-    """Per server: in flight and up/down from the live workers' heartbeats, rates and
-    errors from Postgres. A server no live worker reports is ``up: None``."""
+    """Per server: in flight, up/down and the model served from the live workers'
+    heartbeats, rates and errors from Postgres. A server no live worker reports is
+    ``up: None``; ``models`` are the models its workers say it serves, ``changed_from``
+    those they saw it serve before (another model was started behind its URL)."""
     seen: dict[str, dict[str, Any]] = {}
     for beat in beats:
         for name, info in beat.servers.items():
-            row = seen.setdefault(
-                name, {"in_flight": 0, "limit": 0, "adaptive": False, "up": False, "workers": 0}
-            )
+            row = seen.setdefault(name, _live_row())
             row["in_flight"] += info.held
             row["limit"] = max(row["limit"], info.limit)
             row["adaptive"] = row["adaptive"] or info.adaptive
             row["up"] = row["up"] or info.healthy
             row["workers"] += 1
+            _add(row["models"], info.model)
+            _add(row["changed_from"], info.previous_model)
     recent = {s.name: s for s in servers}
     rows = []
     for name in sorted(seen.keys() | recent.keys()):
-        live = seen.get(
-            name, {"in_flight": None, "limit": None, "adaptive": None, "up": None, "workers": 0}
-        )
+        live = seen.get(name, _no_live_row())
         status = recent.get(name)
         shortest = window_rate(status.windows[0]) if status and status.windows else None
         rows.append(
@@ -182,6 +182,36 @@ def server_rows(
             }
         )
     return rows
+
+
+def _live_row() -> dict[str, Any]:
+    return {
+        "in_flight": 0,
+        "limit": 0,
+        "adaptive": False,
+        "up": False,
+        "workers": 0,
+        "models": [],
+        "changed_from": [],
+    }
+
+
+def _no_live_row() -> dict[str, Any]:
+    return {
+        "in_flight": None,
+        "limit": None,
+        "adaptive": None,
+        "up": None,
+        "workers": 0,
+        "models": [],
+        "changed_from": [],
+    }
+
+
+def _add(values: list[str], value: str | None) -> None:
+    """Add ``value`` to a short list of distinct values, in the order first seen."""
+    if value is not None and value not in values:
+        values.append(value)
 
 
 def format_eta(seconds: float | None, finished: str | None = None) -> str:

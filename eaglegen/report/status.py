@@ -246,10 +246,10 @@ def _per_job(budget: dict[str, Any]) -> str:
 
 def _servers_table(document: dict[str, Any], *, known: bool) -> Table:
     table = Table(title="servers", title_justify="left")
-    for name in ("server", "state", "in flight", "tok/s 1m", "done/min 1m", "errors 10m", "limit"):
-        table.add_column(
-            name, justify="left" if name in ("server", "state", "errors 10m", "limit") else "right"
-        )
+    columns = ("server", "state", "model", "in flight", "tok/s 1m", "done/min 1m")
+    left = ("server", "state", "model", "errors 10m", "limit")
+    for name in (*columns, "errors 10m", "limit"):
+        table.add_column(name, justify="left" if name in left else "right")
     for s in document["servers"]:
         if not known:
             state = "?"
@@ -263,6 +263,7 @@ def _servers_table(document: dict[str, Any], *, known: bool) -> Table:
         table.add_row(
             shown(s["name"]),
             state,
+            shown(_model_cell(s)),
             flight,
             f"{s['completion_tok_s_1m']:,.1f}",
             f"{s['completions_per_min_1m']:,.1f}",
@@ -270,6 +271,15 @@ def _servers_table(document: dict[str, Any], *, known: bool) -> Table:
             shown(_limit_cell(s)),
         )
     return table
+
+
+def _model_cell(server: dict[str, Any]) -> str:
+    """The model its workers say it serves, and the one it served before, when another
+    model was started behind its URL."""
+    cell = ", ".join(server["models"]) or "-"
+    if server["changed_from"]:
+        cell += f" (changed from {', '.join(server['changed_from'])})"
+    return cell
 
 
 def _limit_cell(server: dict[str, Any]) -> str:

@@ -7,13 +7,11 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.text import Text
 
+# The one escape, shared with the worker and the database layer (which may not import this
+# package): re-exported for the reports and commands that use it from here.
+from core.text import visible
 
-def visible(value: str) -> str:
-    """``value`` with each control character written as its escape (``\\x1b``)."""
-    return "".join(
-        ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape").decode()
-        for ch in value
-    )
+__all__ = ["inline", "shown", "visible"]
 
 
 def shown(value: str) -> Text:

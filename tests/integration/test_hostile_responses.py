@@ -4,8 +4,13 @@ with the reason, and no generation is stored (issue: trust nothing a server send
 from __future__ import annotations
 
 import itertools
+import json
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +18,7 @@ import pytest
 
 from core.settings import ServerSpec, Settings
 from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.sim import SimConfig
 from models.repository import Repository
 from models.states import JobState
 from producer.template import Templater
@@ -116,3 +122,79 @@ def test_a_good_answer_from_the_same_server_is_stored(
     [job_id] = repo.job_ids()
     generation = repo.generation(job_id)
     assert generation is not None and generation["output_ids"] == [5, 6, 4]
+
+
+# A 400 body with terminal controls: an OSC that retitles the terminal (ESC ] ... BEL) and a
+# CSI that clears it. Sent raw (not JSON), so the worker keeps the body's text as it came.
+CONTROLS = b"\x1b]0;pwned\x07 denied\x1b[2J"
+ESCAPED = "\\x1b]0;pwned\\x07 denied\\x1b[2J"
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    """A server of the simulator's model that answers every /generate with 400 and
+    CONTROLS."""
+
+    def do_GET(self) -> None:
+        info = {"model_path": SimConfig().model_path, "tokenizer_path": "tokenizer"}
+        self._send(200, json.dumps(info if self.path == "/get_model_info" else {}).encode())
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(400, CONTROLS)
+
+    def _send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        """Quiet."""
+
+
+@contextmanager
+def refusing_server() -> Iterator[str]:
+    """Serve `_Refusing` on a free loopback port; its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_control_characters_of_an_error_body_are_stored_and_logged_escaped(
+    settings: Settings, repo: Repository, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # On the worker's loggers: the in-thread Celery worker sets the root logger to ERROR.
+    caplog.set_level(logging.WARNING, logger="worker")
+    with refusing_server() as url:
+        refused = settings.model_copy(update={"servers": [ServerSpec(name="hostile", url=url)]})
+        with worker(refused):
+            enqueue_file(refused, write_jsonl(tmp_path / "d.jsonl", sample_rows(1)))
+            states = wait_settled(repo, timeout_s=60)
+    assert states[JobState.FAILED.value] == 1  # a 400 is not retried
+    [job_id] = repo.job_ids()
+    job = repo.job(job_id)
+    assert job is not None
+    assert job["last_error"] == f"hostile: HTTP 400: {ESCAPED}"
+    said = [r.getMessage() for r in caplog.records if f"job {job_id} failed" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(f"hostile: HTTP 400: {ESCAPED}"), said
+    assert not [r.getMessage() for r in caplog.records if "\x1b" in r.getMessage()]
+
+
+def test_a_reason_is_stored_escaped_whoever_gives_it(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    # The database layer escapes what it stores, not only the worker what it passes.
+    enqueue_file(settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(2)))
+    first, second = repo.job_ids()
+    for job_id in (first, second):
+        assert repo.claim(job_id, "w", 600).job is not None
+    assert repo.fail(first, "w", CONTROLS.decode())
+    assert repo.release(second, "w", CONTROLS.decode(), refund=True)
+    for job_id in (first, second):
+        job = repo.job(job_id)
+        assert job is not None and job["last_error"] == ESCAPED

@@ -4,6 +4,7 @@ that is not a heartbeat is left out, never an error in `status`."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -30,6 +31,18 @@ BEAT = Heartbeat(
 def test_a_record_round_trips_through_its_json() -> None:
     assert Heartbeat.from_json(BEAT.to_json()) == BEAT
     assert Heartbeat.from_json(BEAT.to_json().encode()) == BEAT
+
+
+def test_a_server_seen_to_change_model_round_trips_and_older_records_still_parse() -> None:
+    swapped = ServerBeat(True, None, 0, 48, True, "org/model-b", "org/model-a", 1_700_000_000.5)
+    beat = replace(BEAT, servers={"gpu-a": swapped})
+    assert Heartbeat.from_json(beat.to_json()) == beat
+    # A worker of before the change writes neither field: it never saw a model change.
+    document = json.loads(BEAT.to_json())
+    for field in ("previous_model", "model_changed_at"):
+        del document["servers"]["gpu-a"][field]
+    parsed = Heartbeat.from_json(json.dumps(document))
+    assert parsed is not None and parsed.servers["gpu-a"] == BEAT.servers["gpu-a"]
 
 
 def test_an_unpinned_worker_of_no_servers_round_trips() -> None:
