@@ -7,9 +7,11 @@ ids against the recorded ones, and its per-dataset tally), ``split`` (the train/
 by a hash of seed and id), ``tally`` (what was read, exported and removed, per dataset),
 ``manifest`` (the manifest's document and what an incremental export reads back from it).
 
-I/O: ``columns`` (rows as Arrow batches), ``files`` (atomic writes, checksums),
-``writers`` (Parquet, JSON Lines and `save_to_disk` shards, each written under a temporary
-name and renamed when complete), ``tokenizer`` (the run's tokenizer: decode, render,
+I/O: ``columns`` (rows as Arrow batches), ``folder`` (the output folder: its lock, the
+export's private temporary folder, files created there without following links and moved
+into place, what a killed export left), ``files`` (atomic writes, checksums),
+``writers`` (Parquet, JSON Lines and `save_to_disk` shards, each written in the private
+folder and moved into place when complete), ``tokenizer`` (the run's tokenizer: decode, render,
 encode), ``shaping`` (a generation decoded into its conversation line, or judged by
 ``--only-valid``), ``export`` (one export pass, streamed from the repository).
 

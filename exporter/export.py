@@ -21,15 +21,14 @@ import importlib.metadata
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from exporter.files import write_atomically
+from exporter.folder import MANIFEST, Workspace, leftovers
 from exporter.manifest import (
     CONVERSATIONS,
-    MANIFEST,
     Options,
     Previous,
     check_extends,
@@ -77,6 +76,8 @@ class ExportResult:
     tally: Tally
     manifest: dict[str, Any]
     roundtrip: RoundTrips | None = None  # this pass's, for conversations
+    # What an export that did not finish had left in the folder, removed by this one.
+    removed: list[str] = field(default_factory=list)
 
 
 def prepare(repo: Repository, request: ExportRequest) -> tuple[ExportRun, Previous | None, int]:
@@ -119,8 +120,8 @@ def _previous(request: ExportRequest, run: ExportRun) -> Previous | None:
     _check_writable(out)
     previous = read_manifest(out) if out.is_dir() else None
     if previous is None:
-        if out.is_dir() and any(out.iterdir()):
-            raise ValueError(f"{out} is not empty and holds no {MANIFEST}: choose an empty folder")
+        if out.is_dir():
+            leftovers(out)  # only what a killed export leaves: the pass removes it
         return None
     if not request.incremental:
         raise ValueError(
@@ -161,10 +162,23 @@ def run_export(
     """Export the rows ``previous`` lacks (all, without one) and write the manifest."""
     if tokenizer is None:
         tokenizer = load_tokenizer(run, request)
-    request.out.mkdir(parents=True, exist_ok=True)
+    with Workspace(request.out, first=previous is None) as folder:
+        return _write(repo, request, run, previous, folder, progress, tokenizer)
+
+
+def _write(
+    repo: Repository,
+    request: ExportRequest,
+    run: ExportRun,
+    previous: Previous | None,
+    folder: Workspace,
+    progress: Progress | None,
+    tokenizer: RunTokenizer | None,
+) -> ExportResult:
+    """The pass in ``folder``: the shards, then the manifest."""
     options = request.options
     writers = {
-        split: SplitWriter(request.out, split, options.writer, request.shard_bytes)
+        split: SplitWriter(folder, split, options.writer, request.shard_bytes)
         for split in (TRAIN, VAL)
     }
     tally = Tally()
@@ -191,8 +205,8 @@ def run_export(
     seen = {i: t for i, t in seen.items() if t >= since}
     context = _Context(run, request, previous, tally, shards, since, seen, scan.started_at)
     document = _manifest(repo, context, trips, tokenizer)
-    write_atomically(request.out / MANIFEST, encode(document))
-    return ExportResult(shards, tally, document, trips)
+    folder.write(MANIFEST, encode(document))
+    return ExportResult(shards, tally, document, trips, folder.removed)
 
 
 @contextmanager

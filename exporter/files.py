@@ -1,53 +1,44 @@
-"""Files that appear whole or not at all: written under a temporary name, synced, renamed."""
+"""Files that appear whole or not at all, and what removes them: every call takes a folder's
+descriptor and a name in it, and none follows a link at that name (``exporter.folder`` says
+why: OUT may hold links planted by someone else)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import stat
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
 _CHUNK = 1 << 20
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def temporary(final: Path) -> Path:
-    """Where ``final`` is written before it is complete: a hidden name in the same folder
-    (a rename within one file system is atomic), unique to this process."""
-    return final.with_name(f"{TMP_PREFIX}{os.getpid()}-{final.name}")
-
-
-def sync_file(path: Path) -> None:
-    """Flush ``path``'s data to disk (before a rename makes it visible)."""
-    fd = os.open(path, os.O_RDONLY)
+def sync_tree(dir_fd: int, name: str) -> None:
+    """Flush ``name`` (a file, or a folder and every file under it) to disk, before a
+    rename makes it visible."""
+    fd = os.open(name, _READ, dir_fd=dir_fd)
     try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            for child in sorted(os.listdir(fd)):
+                sync_tree(fd, child)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def sync_tree(path: Path) -> None:
-    """Flush every file under ``path``, and ``path`` itself."""
-    if path.is_dir():
-        for child in sorted(path.rglob("*")):
-            sync_file(child)
-    sync_file(path)
-
-
-def publish(tmp: Path, final: Path) -> None:
-    """Rename the complete ``tmp`` (a file or a folder) to ``final``, durably."""
-    sync_tree(tmp)
-    os.replace(tmp, final)
-    sync_file(final.parent)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data``: a reader sees the old or the new content, never part."""
-    tmp = temporary(path)
+def remove(dir_fd: int, name: str) -> None:
+    """Remove ``name``: a link itself (never what it points to), a file, or a folder and
+    what it holds (``shutil.rmtree`` by descriptors, which follows no link inside)."""
     try:
-        tmp.write_bytes(data)
-        publish(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
 
 
 def sha256_file(path: Path) -> str:

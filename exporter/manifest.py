@@ -4,23 +4,30 @@ It is the list of an export's shards: a trainer reads the shards it names (a sha
 into place by an export that was killed before it wrote its manifest is in none). It also
 holds where an incremental export resumes (``resume``): every generation recorded at or
 after ``since`` whose id is not in ``seen``.
+
+A manifest is read as a file in OUT, never through a link, and the shard names it lists
+(and its passes list) must be plain names in OUT: an incremental export carries them into
+the manifest it writes, so one naming ``../x`` would send a trainer out of the folder.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from exporter.folder import MANIFEST as MANIFEST  # where it always was, for importers
 from exporter.roundtrip import RoundTrips
 from exporter.rows import Filters
 from exporter.tally import Tally
 from exporter.writers import Shard
 from models.records import ExportCursor, ExportRun
 
-MANIFEST = "manifest.json"
 TOKENS = "tokens"
 CONVERSATIONS = "conversations"
 FORMATS = (TOKENS, CONVERSATIONS)
@@ -86,14 +93,16 @@ class Previous:
 
 
 def read_manifest(out: Path) -> Previous | None:
-    """The manifest in ``out``, or None if there is none (a ValueError if unreadable)."""
+    """The manifest in ``out``, or None if there is none (a ValueError if unreadable, or
+    if a shard it lists is not a plain name in ``out``)."""
     path = out / MANIFEST
-    if not path.is_file():
+    data = _read_file(path)
+    if data is None:
         return None
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(data)
         resume = doc["resume"]
-        return Previous(
+        previous = Previous(
             document=doc,
             shards=[Shard(**s) for s in doc["shards"]],
             tally=Tally.from_document(doc["counts"]),
@@ -101,8 +110,51 @@ def read_manifest(out: Path) -> Previous | None:
             seen={int(i): datetime.fromisoformat(t) for i, t in resume["seen"]},
             roundtrip=RoundTrips.from_document(doc.get("roundtrip") or {}),
         )
+        names = [s.file for s in previous.shards]
+        for done in doc["passes"]:
+            if not isinstance(done["shards"], list):
+                raise TypeError(f"a pass lists shards as {done['shards']!r}")
+            names += done["shards"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path} is not an eaglegen export manifest ({exc})") from exc
+    for name in names:
+        if not _in_folder(out, name):
+            raise ValueError(
+                f"{path} lists shard {name!r}, which is not a file name in {out} (an export "
+                "writes only those): restore the manifest, or choose another folder"
+            )
+    return previous
+
+
+def _read_file(path: Path) -> bytes | None:
+    """``path``'s bytes if it is a file (None if it is missing); a ValueError if it is a
+    link or something else: an export writes a file there."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ValueError(
+            f"{path} is a symbolic link, not a manifest an export wrote: choose another folder"
+        ) from None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a file: choose another folder")
+        return handle.read()
+
+
+def _in_folder(out: Path, name: object) -> bool:
+    """Whether ``name`` is a plain name in ``out`` (a link there must stay in ``out``)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name:
+        return False
+    if any(sep in name for sep in (os.sep, os.altsep, "\\") if sep):
+        return False
+    path = out / name
+    if not path.is_symlink():
+        return True
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(out))
 
 
 def check_extends(previous: Previous, run: ExportRun, options: Options) -> None:

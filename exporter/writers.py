@@ -1,27 +1,27 @@
 """Shards of one split, in one of three shapes, each complete under its final name or absent.
 
-A shard is written under a temporary name (``files.temporary``) and renamed when it
-reaches the size limit or the export ends, so that a killed export never leaves a partial
-shard under a final name. Rows are buffered into batches of a few MB and written as they
-fill: memory stays constant whatever the shard size (a `save_to_disk` shard goes through a
-memory-mapped Arrow stream file, not through memory).
+A shard is written in the pass's private folder (``folder.Workspace``: files created
+there, never through a link) and renamed into OUT when it reaches the size limit or the
+export ends, so that a killed export never leaves a partial shard under a final name. Rows
+are buffered into batches of a few MB and written as they fill: memory stays constant
+whatever the shard size (a `save_to_disk` shard goes through a memory-mapped Arrow stream
+file, not through memory).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
-import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from exporter.columns import SCHEMA, jsonl_line, record_batch
-from exporter.files import publish, sha256_of, size_of, temporary
+from exporter.files import sha256_of, size_of
+from exporter.folder import SHARD, Workspace
 from exporter.rows import TokenRow
 
 PARQUET = "parquet"
@@ -83,19 +83,21 @@ class _Sink(Protocol):
 class _ParquetSink:
     """A Parquet file, one row group per batch (zstd: every reader of Parquet has it)."""
 
-    def __init__(self, tmp: Path) -> None:
-        self._file = pa.OSFile(str(tmp), "wb")
-        self._writer = pq.ParquetWriter(self._file, SCHEMA, compression="zstd")
+    def __init__(self, handle: BinaryIO) -> None:
+        self._file = handle
+        self._writer = pq.ParquetWriter(handle, SCHEMA, compression="zstd")
 
     def write(self, rows: Sequence[Row]) -> None:
         self._writer.write_batch(record_batch(_token_rows(rows)), row_group_size=len(rows))
 
     def size(self) -> int:
-        return int(self._file.tell())
+        return self._file.tell()
 
     def close(self) -> None:
-        self._writer.close()
-        self._file.close()
+        try:
+            self._writer.close()
+        finally:
+            self._file.close()
 
     def discard(self) -> None:
         self.close()
@@ -104,8 +106,8 @@ class _ParquetSink:
 class _JsonlSink:
     """A JSON Lines file."""
 
-    def __init__(self, tmp: Path) -> None:
-        self._handle = tmp.open("wb")
+    def __init__(self, handle: BinaryIO) -> None:
+        self._handle = handle
 
     def write(self, rows: Sequence[Row]) -> None:
         self._handle.write(b"".join(r.data if isinstance(r, Line) else jsonl_line(r) for r in rows))
@@ -124,28 +126,32 @@ class _ArrowDirSink:
     """A `datasets` ``save_to_disk`` folder, built at close from an Arrow stream file that
     the batches were appended to (``Dataset.from_file`` maps it instead of reading it)."""
 
-    def __init__(self, tmp: Path) -> None:
-        self._tmp = tmp
-        self._stream_path = tmp.with_name(tmp.name + ".arrow")
-        self._file = pa.OSFile(str(self._stream_path), "wb")
+    def __init__(self, folder: Workspace, name: str) -> None:
+        self._folder = folder
+        self._name = name
+        self._stream = f"{name}.arrow"
+        self._file = folder.create(self._stream)
         self._writer = pa.ipc.new_stream(self._file, SCHEMA)
 
     def write(self, rows: Sequence[Row]) -> None:
         self._writer.write_batch(record_batch(_token_rows(rows)))
 
     def size(self) -> int:
-        return int(self._file.tell())
+        return self._file.tell()
 
     def close(self) -> None:
         self.discard()
         try:
-            _save_to_disk(self._stream_path, self._tmp)
+            # `datasets` opens by path: both inside the private folder (checked).
+            _save_to_disk(self._folder.path(self._stream), self._folder.path(self._name))
         finally:
-            self._stream_path.unlink(missing_ok=True)
+            self._folder.discard(self._stream)
 
     def discard(self) -> None:
-        self._writer.close()
-        self._file.close()
+        try:
+            self._writer.close()
+        finally:
+            self._file.close()
 
 
 def _save_to_disk(stream_path: Path, folder: Path) -> None:
@@ -164,41 +170,42 @@ def _save_to_disk(stream_path: Path, folder: Path) -> None:
             ds_logging.enable_progress_bar()
 
 
-def _open(kind: str, tmp: Path) -> _Sink:
+def _open(kind: str, folder: Workspace, name: str) -> _Sink:
     if kind == PARQUET:
-        return _ParquetSink(tmp)
+        return _ParquetSink(folder.create(name))
     if kind == JSONL:
-        return _JsonlSink(tmp)
-    return _ArrowDirSink(tmp)
+        return _JsonlSink(folder.create(name))
+    return _ArrowDirSink(folder, name)
 
 
-def next_index(out: Path, split: str) -> int:
-    """The number of the next shard of ``split`` in ``out``: one past every shard there,
-    listed in the manifest or not (one renamed before an export was killed is never
-    overwritten)."""
-    pattern = re.compile(rf"{re.escape(split)}-(\d{{5,}})(\.\w+)?")
-    found = [int(m.group(1)) for p in out.iterdir() if (m := pattern.fullmatch(p.name))]
+def next_index(names: Iterable[str], split: str) -> int:
+    """The number of the next shard of ``split`` among ``names`` (OUT's): one past every
+    shard there, listed in the manifest or not (one renamed before an export was killed is
+    never overwritten)."""
+    found = [
+        int(m["index"]) for name in names if (m := SHARD.fullmatch(name)) and m["split"] == split
+    ]
     return max(found, default=-1) + 1
 
 
 class SplitWriter:
     """The shards of one split: rows go in, complete shards come out under final names."""
 
-    def __init__(self, out: Path, split: str, kind: str, shard_bytes: int) -> None:
-        self.out = out
+    def __init__(self, folder: Workspace, split: str, kind: str, shard_bytes: int) -> None:
+        self.folder = folder
         self.split = split
         self.kind = kind
         self.shard_bytes = shard_bytes
         self.batch_bytes = max(min(BATCH_BYTES, shard_bytes // 4), _MIN_BATCH_BYTES)
         self.shards: list[Shard] = []
-        self._index = next_index(out, split)
+        self._index = next_index(folder.names(), split)
         self._buffer: list[Row] = []
         self._buffered = 0
         self._sink: _Sink | None = None
         self._rows = 0
 
-    def _final(self) -> Path:
-        return self.out / f"{self.split}-{self._index:05d}{SUFFIXES[self.kind]}"
+    def _name(self) -> str:
+        return f"{self.split}-{self._index:05d}{SUFFIXES[self.kind]}"
 
     def add(self, row: Row) -> None:
         """Buffer ``row``; write the buffer when it is full, end the shard at its size."""
@@ -217,7 +224,7 @@ class SplitWriter:
         if not self._buffer:
             return
         if self._sink is None:
-            self._sink = _open(self.kind, temporary(self._final()))
+            self._sink = _open(self.kind, self.folder, self._name())
         self._sink.write(self._buffer)
         self._rows += len(self._buffer)
         self._buffer, self._buffered = [], 0
@@ -226,9 +233,10 @@ class SplitWriter:
         assert self._sink is not None
         self._sink.close()
         self._sink = None
-        final, tmp = self._final(), temporary(self._final())
-        shard = Shard(final.name, self.split, self._rows, size_of(tmp), sha256_of(tmp))
-        publish(tmp, final)
+        name = self._name()
+        written = self.folder.path(name)
+        shard = Shard(name, self.split, self._rows, size_of(written), sha256_of(written))
+        self.folder.publish(name)
         self.shards.append(shard)
         self._index += 1
         self._rows = 0
@@ -241,15 +249,10 @@ class SplitWriter:
         return self.shards
 
     def abort(self) -> None:
-        """Remove the shard being written (the complete ones stay, under final names)."""
+        """Close the shard being written (the private folder, removed at the end of the
+        pass, holds it; the complete ones stay, under final names)."""
         if self._sink is not None:
-            # Already failing: the removal below is what matters.
+            # Already failing: the removal of the private folder is what matters.
             with contextlib.suppress(OSError, pa.ArrowException):
                 self._sink.discard()
             self._sink = None
-        tmp = temporary(self._final())
-        for leftover in (tmp, tmp.with_name(tmp.name + ".arrow")):
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)

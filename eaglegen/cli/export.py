@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -165,17 +165,31 @@ def export(
         reason = lost_database(exc)
         if reason is None:
             raise
-        raise ValueError(_lost(url, reason, request, sorted(_entries(out) - before))) from exc
+        raise ValueError(_lost(url, reason, request, _written(before, _entries(out)))) from exc
     _report(result, request, json_out)
 
 
-def _entries(out: Path) -> set[str]:
-    """The names in the export folder (none when it does not exist), temporary ones aside."""
+def _entries(out: Path) -> dict[str, tuple[int, int]]:
+    """The names in the export folder (none when it does not exist), temporary ones aside,
+    each with what tells a file from one written later under its name (a re-run of a killed
+    first export removes that export's shards and writes shards of the same names)."""
     from exporter.files import TMP_PREFIX
 
     if not out.is_dir():
-        return set()
-    return {p.name for p in out.iterdir() if not p.name.startswith(TMP_PREFIX)}
+        return {}
+    found = {}
+    for path in out.iterdir():
+        if path.name.startswith(TMP_PREFIX):
+            continue
+        with suppress(FileNotFoundError):  # removed since it was listed
+            st = path.lstat()
+            found[path.name] = (st.st_ino, st.st_mtime_ns)
+    return found
+
+
+def _written(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
+    """The names of ``after`` that are new or another file than in ``before``."""
+    return sorted(name for name, ident in after.items() if before.get(name) != ident)
 
 
 # Shards a lost-database error names; the rest are counted.
@@ -201,8 +215,19 @@ def _lost(url: str, reason: str, request: ExportRequest, written: list[str]) -> 
             "is as it was): remove them and run the export with --incremental again"
         )
     return (
-        f"{head}. {shards}, but no manifest.json: they are no export yet; remove them and "
-        "run the export again"
+        f"{head}. {shards}, but no manifest.json: they are no export yet; run the export "
+        "again (it removes them first)"
+    )
+
+
+def _removed(names: list[str], request: ExportRequest) -> str:
+    """What an earlier export had left in the folder and this one removed, in one line."""
+    shown = ", ".join(map(inline, names[:_NAMED_SHARDS]))
+    if len(names) > _NAMED_SHARDS:
+        shown += f" and {len(names) - _NAMED_SHARDS} more"
+    return (
+        f"removed {len(names)} file(s) an unfinished export had left in "
+        f"{inline(str(request.out))}: {shown}"
     )
 
 
@@ -282,9 +307,12 @@ def _report(result: ExportResult, request: ExportRequest, json_out: bool) -> Non
                 "counts": result.tally.document(),
                 "total_rows": result.manifest["rows"],
                 "roundtrip": None if result.roundtrip is None else result.roundtrip.document(),
+                "removed": result.removed,
             }
         )
         return
+    if result.removed:
+        err.print(_removed(result.removed, request), highlight=False, soft_wrap=True)
     splits: dict[str, int] = {}
     for shard in result.shards:
         splits[shard.split] = splits.get(shard.split, 0) + shard.rows

@@ -19,6 +19,7 @@ from eaglegen.assets import TOKENIZER_DIR
 from models.repository import Repository
 from tests.e2e.test_cli import eaglegen, service_env
 from tests.helpers import libpq_url
+from tests.integration.test_export import export as export_pass
 from tests.integration.test_export import recorded_run
 from tests.integration.test_export_conversations import record_rows
 from tests.outage import PATIENCE_S, holds_lock, lock_waiter, outage, wait_for
@@ -201,7 +202,8 @@ def test_an_export_that_loses_postgres_names_the_shards_it_wrote_in_one_line(
             ),
             "the export's last read to wait",
         )
-        written = sorted(p.name for p in out.iterdir())
+        # (The export's private folder aside: the shard it writes is in there.)
+        written = sorted(p.name for p in out.iterdir() if not p.name.startswith(".tmp-"))
         with outage(url):
             _, stderr = export.communicate(timeout=PATIENCE_S)
             thread.join(timeout=PATIENCE_S)
@@ -214,12 +216,33 @@ def test_an_export_that_loses_postgres_names_the_shards_it_wrote_in_one_line(
     assert f"lost Postgres at {redact(url)} during the export: " in line
     assert (
         f"{len(written)} complete shard(s) were written to {out} ({', '.join(written[:5])} "
-        f"and {len(written) - 5} more), but no manifest.json: they are no export yet; remove "
-        "them and run the export again"
+        f"and {len(written) - 5} more), but no manifest.json: they are no export yet; run the "
+        "export again (it removes them first)"
     ) in line
     assert sorted(p.name for p in out.iterdir()) == written  # as they were: no manifest
-    for name in written:
-        (out / name).unlink()
     again = eaglegen("export", "run", str(out), *args, "--json", env=env)
     assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout)["rows"] == 12
+    document = json.loads(again.stdout)
+    assert document["rows"] == 12 and document["removed"] == written
+
+
+def test_an_export_says_in_one_line_what_an_unfinished_one_left_and_it_removed(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    recorded_run(repo, {"d": [(4, 6, "stop")]})
+    out = tmp_path / "out"
+    export_pass(repo, out)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    # A link at a temporary name of an earlier version, and a killed pass's private folder.
+    (out / ".tmp-1234-manifest.json").symlink_to(victim)
+    (out / ".tmp-export-0123456789abcdef").mkdir()
+    more = eaglegen("export", "run", str(out), "--incremental", env=service_env(settings))
+    assert more.returncode == 0, more.stderr
+    removed, exported = more.stderr.strip().splitlines()
+    assert removed == (
+        f"removed 2 file(s) an unfinished export had left in {out}: .tmp-1234-manifest.json, "
+        ".tmp-export-0123456789abcdef"
+    )
+    assert exported.startswith("exported 0 row(s)")
+    assert victim.read_text() == "mine" and not (out / "manifest.json").is_symlink()

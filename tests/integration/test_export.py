@@ -246,7 +246,7 @@ def test_an_incremental_export_adds_only_the_new_rows_and_keeps_old_shards_as_th
         export(repo, out, filters=Filters(max_len=64), incremental=True)
 
 
-def test_a_killed_export_leaves_no_partial_shard_under_a_final_name(
+def test_a_killed_export_leaves_no_partial_shard_under_a_final_name_and_a_rerun_completes_it(
     settings: Settings, repo: InspectRepository, tmp_path: Path
 ) -> None:
     assert generate(settings, repo, tmp_path / "d.jsonl", sample_rows(300)) == 300
@@ -273,3 +273,16 @@ def test_a_killed_export_leaves_no_partial_shard_under_a_final_name(
         table = pq.read_table(shard)
         assert table.num_rows == pq.read_metadata(shard).num_rows > 0
         assert_rows_are_the_database(repo, table.to_pylist())
+    # The same export again: it removes what the killed one left and writes it all.
+    left = sorted(p.name for p in out.iterdir())
+    again = export(repo, out, shard_bytes=2_000)
+    assert sorted(again.removed) == left
+    clean = export(repo, tmp_path / "clean", shard_bytes=2_000)
+    assert comparable(again.manifest) == comparable(clean.manifest)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*shard_files(clean.manifest), MANIFEST])
+
+
+def comparable(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest without what differs between two exports of the same rows: the times."""
+    passes = [{k: v for k, v in p.items() if k != "started_at"} for p in manifest["passes"]]
+    return {k: v for k, v in manifest.items() if k != "resume"} | {"passes": passes}
