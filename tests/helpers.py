@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from core.settings import Settings
 from core.urls import normalize_database_url
-from eaglegen.assets import SAMPLE_DATASET, TOKENIZER_DIR
+from eaglegen.assets import CHAT_TEMPLATE, SAMPLE_DATASET, TOKENIZER_DIR
 from eaglegen.stack import EmbeddedRedis
 from models.repository import Repository
 from models.schema import Dataset, Generation, Job, RejectedRow
@@ -96,14 +96,90 @@ FAMILY_TOKENS = [
 ]
 
 
-def family_tokenizer(folder: Path, family: str) -> Path:
+# Each family's structure tokens (tool calls, harmony's channels, chat markers, stops) that
+# FAMILY_TOKENS and the bundled vocabulary lack, added by family_tokenizer(structure=True) as
+# (special tokens, plain added tokens) the way the family's published tokenizer has them
+# (the exact decoder keeps both kinds). The bundled vocabulary is Kimi-K2's already.
+_Tokens = tuple[list[str], list[str]]
+_QWEN3: _Tokens = (
+    ["<|endoftext|>"],
+    ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+)
+_DEEPSEEK: _Tokens = (
+    [],
+    [
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+    ],
+)
+_GLM45: _Tokens = (
+    [
+        "[gMASK]",
+        "<sop>",
+        "<|endoftext|>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|observation|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+        "<tool_response>",
+        "</tool_response>",
+    ],
+    [],
+)
+_GPT_OSS: _Tokens = (
+    [
+        "<|start|>",
+        "<|end|>",
+        "<|message|>",
+        "<|channel|>",
+        "<|constrain|>",
+        "<|return|>",
+        "<|call|>",
+        "<|endoftext|>",
+    ],
+    [],
+)
+STRUCTURE_TOKENS: dict[str, _Tokens] = {
+    "kimi_k2": ([], []),
+    "qwen3": _QWEN3,
+    "qwen3_hybrid": _QWEN3,
+    "qwen3_thinking": _QWEN3,
+    "deepseek_v3": _DEEPSEEK,
+    "deepseek_r1": _DEEPSEEK,
+    "deepseek_v31": _DEEPSEEK,
+    "glm45": _GLM45,
+    "gpt_oss": _GPT_OSS,
+}
+
+
+def family_template(family: str) -> str:
+    """``family``'s chat template: tests/data/templates, or the bundled one for Kimi-K2."""
+    path = TEMPLATES / f"{family}.jinja"
+    return (CHAT_TEMPLATE if family == "kimi_k2" and not path.exists() else path).read_text()
+
+
+def family_tokenizer(folder: Path, family: str, *, structure: bool = False) -> Path:
     """The bundled tokenizer with ``family``'s chat template and special tokens, saved under
-    ``folder/family`` (tests/data/templates/README.md says what each family is)."""
+    ``folder/family`` (tests/data/templates/README.md says what each family is);
+    ``structure`` adds the family's tool-call, channel and stop tokens (STRUCTURE_TOKENS)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), local_files_only=True)
     tokenizer.add_special_tokens({"additional_special_tokens": FAMILY_TOKENS})
-    tokenizer.chat_template = (TEMPLATES / f"{family}.jinja").read_text()
+    if structure:
+        special, plain = STRUCTURE_TOKENS[family]
+        tokenizer.add_tokens(special, special_tokens=True)
+        tokenizer.add_tokens(plain)
+    tokenizer.chat_template = family_template(family)
     out = folder / family
     tokenizer.save_pretrained(str(out))
     return out

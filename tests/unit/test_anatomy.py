@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
 from core.anatomy import (
     Anatomy,
     CallSpan,
+    Channels,
     Markers,
     dissect,
     markers_from_vocab,
@@ -170,3 +172,121 @@ def test_parse_calls_undeclared_and_bad_json() -> None:
 )
 def test_parse_header(header: str, parsed: tuple[str, int | None]) -> None:
     assert parse_header(header) == parsed
+
+
+# --- the layouts of other families, on hand-built ids ---------------------------------------
+
+CALL_OPEN, CALL_CLOSE, THINK, NL, SP = 20, 21, 9, 50, 51
+# Qwen3 / GLM-style: calls stand alone (no section tokens), no argument marker.
+BARE = Markers(END, None, None, CALL_OPEN, None, CALL_CLOSE, frozenset({STOP}), syntax="hermes")
+PIECES = {NL: "\u010a", SP: "\u0120", THINK: "<think>", END: "</think>", 30: "Hello"}
+
+
+def test_calls_without_sections_take_their_whole_body_as_arguments() -> None:
+    ids = [END, 30, NL, CALL_OPEN, 140, CALL_CLOSE, NL, CALL_OPEN, 141, CALL_CLOSE, 31, STOP]
+    anatomy = dissect(ids, BARE, opens_reasoning=True)
+    assert anatomy.calls == (CallSpan((), (140,)), CallSpan((), (141,)))
+    assert anatomy.sections_balanced
+    # The glue between two calls is stray; what follows the last is answer again.
+    assert (anatomy.answer, anatomy.stray) == ((30, NL, 31), (NL,))
+
+
+def test_a_bare_call_cut_or_out_of_place_is_unbalanced() -> None:
+    cut = dissect([END, CALL_OPEN, 140], BARE, opens_reasoning=True)
+    assert cut.calls == (CallSpan((), (140,)),) and not cut.sections_balanced
+    stray_end = dissect(
+        [END, CALL_OPEN, 140, CALL_CLOSE, NL, CALL_CLOSE], BARE, opens_reasoning=True
+    )
+    assert not stray_end.sections_balanced
+    assert stray_end.answer == (NL, CALL_CLOSE)
+
+
+def test_the_model_may_open_reasoning_itself_after_white_space() -> None:
+    markers = replace(BARE, think_start=THINK, pieces=PIECES)
+    for ids in ([THINK, 60, END, 30], [NL, SP, THINK, 60, END, 30]):
+        anatomy = dissect([*ids, STOP], markers, opens_reasoning=False)
+        assert (anatomy.reasoning, anatomy.think_end_present, anatomy.answer) == (
+            (60,),
+            True,
+            (30,),
+        )
+    opened_late = dissect([30, THINK, 60, END], markers, opens_reasoning=False)
+    assert (opened_late.reasoning, opened_late.answer) == (None, (30, THINK, 60, END))
+    never_closed = dissect([THINK, 60, 61], markers, opens_reasoning=False)
+    assert (never_closed.reasoning, never_closed.think_end_present) == ((60, 61), False)
+
+
+def test_without_a_think_start_only_the_prompt_opens_reasoning() -> None:
+    anatomy = dissect([THINK, 60, END, 30], replace(M, pieces=PIECES), opens_reasoning=False)
+    assert anatomy.reasoning is None and anatomy.answer == (THINK, 60, END, 30)
+
+
+def test_calls_of_an_unknown_syntax_are_not_checked() -> None:
+    plain = Markers(END, None, None, None, None, None, frozenset({STOP}), syntax="")
+    anatomy = dissect([20, END, 30, STOP], plain, opens_reasoning=True)
+    assert not plain.calls_checked and not anatomy.calls_checked
+    assert parse_calls(anatomy, decode, None) == [] and valid(anatomy, [])
+    assert M.calls_checked and M.call_ids == frozenset({SB, SE, CB, CE})
+
+
+# Harmony (gpt-oss): <|start|> <|channel|> <|message|> <|end|> <|call|> <|return|> <|constrain|>
+H_START, H_CHANNEL, H_MESSAGE, H_END, H_CALL, H_RETURN, H_CONSTRAIN = range(200, 207)
+ANALYSIS, FINAL, COMMENTARY, TO_F, JSON_, ASSISTANT = range(210, 216)
+HARMONY = Markers(
+    None,
+    None,
+    None,
+    None,
+    None,
+    None,
+    frozenset({H_RETURN, H_CALL}),
+    syntax="harmony",
+    channels=Channels(H_START, H_CHANNEL, H_MESSAGE, H_END, H_CALL, H_RETURN, H_CONSTRAIN),
+    pieces={
+        H_CHANNEL: "<|channel|>",
+        ANALYSIS: "analysis",
+        FINAL: "final",
+        COMMENTARY: "commentary",
+        TO_F: "\u0120to=functions.f",
+        JSON_: "json",
+        ASSISTANT: "assistant",
+    },
+)
+REASONED = [H_CHANNEL, ANALYSIS, H_MESSAGE, 60, 61, H_END, H_START, ASSISTANT]
+CALL_HEADER = [H_CHANNEL, COMMENTARY, TO_F, H_CONSTRAIN, JSON_]
+
+
+def test_harmony_channels_are_reasoning_answer_and_calls() -> None:
+    final = dissect(
+        [*REASONED, H_CHANNEL, FINAL, H_MESSAGE, 30, H_RETURN], HARMONY, opens_reasoning=False
+    )
+    assert (final.reasoning, final.think_end_present, final.answer) == ((60, 61), True, (30,))
+    assert (final.stop, final.calls, final.sections_balanced) == (H_RETURN, (), True)
+    call = dissect(
+        [*REASONED, *CALL_HEADER, H_MESSAGE, 140, H_CALL], HARMONY, opens_reasoning=False
+    )
+    assert call.calls == (CallSpan((ASSISTANT, *CALL_HEADER), (140,)),)
+    assert call.sections_balanced and call.answer == () and call.stop == H_CALL
+
+
+def test_harmony_cut_reasoning_cut_call_and_a_message_left_open() -> None:
+    cut_reasoning = dissect([H_CHANNEL, ANALYSIS, H_MESSAGE, 60], HARMONY, opens_reasoning=False)
+    assert (cut_reasoning.reasoning, cut_reasoning.think_end_present) == ((60,), False)
+    assert cut_reasoning.sections_balanced
+    cut_call = dissect([*REASONED, *CALL_HEADER, H_MESSAGE, 140], HARMONY, opens_reasoning=False)
+    assert not cut_call.sections_balanced and len(cut_call.calls) == 1
+    left_open = [H_CHANNEL, ANALYSIS, H_MESSAGE, 60, H_START, H_CHANNEL, FINAL, H_MESSAGE, 30]
+    anatomy = dissect([*left_open, H_RETURN], HARMONY, opens_reasoning=False)
+    assert not anatomy.sections_balanced and anatomy.think_end_present is False
+
+
+def test_harmony_output_may_open_its_first_message_itself() -> None:
+    ids = [H_START, ASSISTANT, H_CHANNEL, FINAL, H_MESSAGE, 30, H_RETURN]
+    anatomy = dissect(ids, HARMONY, opens_reasoning=False)
+    assert (anatomy.answer, anatomy.sections_balanced, anatomy.stray) == ((30,), True, ())
+
+
+def test_harmony_ids_between_messages_are_stray() -> None:
+    ids = [H_CHANNEL, FINAL, H_MESSAGE, 30, H_END, 70, H_START, H_CHANNEL, FINAL, H_MESSAGE, 31]
+    anatomy = dissect([*ids, H_RETURN], HARMONY, opens_reasoning=False)
+    assert (anatomy.answer, anatomy.stray, anatomy.reasoning) == ((30, 31), (70,), None)
