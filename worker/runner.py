@@ -35,7 +35,7 @@ from worker.retry import AttemptError, Disposition, ErrorKind, backoff, decide
 from worker.servers import Lease, Router, Server, probe
 from worker.sglang import SGLangClient
 from worker.slots import SlotPool
-from worker.validate import Request, check_response
+from worker.validate import Request, check_response, stop_ids
 
 log = logging.getLogger(__name__)
 # Postgres down or restarting, or every pooled connection busy for the pool's timeout: the
@@ -73,6 +73,23 @@ def lease_engine(database_url: str) -> Engine:
     return make_engine(
         database_url, pool_size=1, max_overflow=0, hold_limit_ms=DB_HOLD_LIMIT_MS, pre_ping=True
     )
+
+
+# The Redis connections a worker process's own calls share (slots, heartbeat, names, the
+# controller; Celery's are kombu's). Each call takes well under a millisecond, so a few dozen
+# serve hundreds of threads; a thread finding them all busy waits for one, up to
+# REDIS_WAIT_S. redis-py's default pool instead fails the 101st at once (MaxConnectionsError),
+# which stalled workers of 512 threads (issue 32).
+REDIS_CONNECTIONS = 32
+REDIS_WAIT_S = 20.0
+
+
+def worker_redis(broker_url: str) -> redis.Redis:
+    """The worker's Redis client, on a pool that makes threads wait instead of failing."""
+    pool = redis.BlockingConnectionPool.from_url(
+        broker_url, max_connections=REDIS_CONNECTIONS, timeout=REDIS_WAIT_S
+    )
+    return redis.Redis.from_pool(pool)  # its close() closes the pool's connections too
 
 
 def heartbeat_ttl(settings: Settings) -> int:
@@ -160,7 +177,7 @@ class WorkerContext:
         if not servers:
             raise ValueError("no SGLang servers: set EAGLEGEN_SERVERS or pass --server URL")
         engine = worker_engine(services.database_url, settings)
-        client = redis.Redis.from_url(services.broker_url)
+        client = worker_redis(services.broker_url)
         attached = [
             Server(
                 spec=s,
@@ -496,6 +513,7 @@ def _generate(server: Server, job: ClaimedJob) -> GenerationRecord:
         rid,
         max_new_tokens=max_new if type(max_new) is int else None,
         vocab_size=job.vocab_size,
+        stop_token_ids=stop_ids(job.sampling_params),
     )
     record = check_response(body, sent, server.name)
     if job.think_end_id is None:

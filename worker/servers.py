@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +19,11 @@ from worker.sglang import SGLangClient
 from worker.slots import SlotPool
 
 log = logging.getLogger(__name__)
+
+# The longest pause between two tries of a thread waiting for a slot on full servers. Each
+# try is a script call in Redis: at a fixed 50 ms, the hundreds of threads a worker may have
+# waiting asked Redis thousands of times a second, and ran its connections out.
+MAX_POLL_S = 0.5
 
 
 @dataclass
@@ -99,6 +105,8 @@ class Router:
         # A server's in-flight limit now (the adaptive one, worker.controller.SharedLimits).
         self.limit: Callable[[Server], int] = limits or (lambda server: server.limit)
         self._lock = threading.Lock()
+        # Notified when this process gives a slot back: one waiting thread takes it at once.
+        self._freed = threading.Condition()
         self._identifying = threading.Lock()
         # Called after any server changes health (the worker pauses or resumes consuming).
         self.on_change: list[Callable[[], None]] = []
@@ -205,15 +213,22 @@ class Router:
 
     def acquire(self, timeout_s: float, among: Sequence[Server] | None = None) -> Lease | None:
         """A slot on some healthy server (of ``among``, default all), waiting up to
-        ``timeout_s``; None if none came."""
+        ``timeout_s``; None if none came. A waiting thread wakes when this process gives a
+        slot back, else tries again after a pause that doubles up to MAX_POLL_S (with
+        jitter, so that waiters do not ask Redis in step): another worker's slot given back
+        is found within that pause."""
         candidates = self.servers if among is None else among
         deadline = time.monotonic() + timeout_s
+        pause = self._poll_s
         while True:
             lease = self._try_once(candidates)
             healthy = any(s.healthy for s in candidates)
-            if lease is not None or not healthy or time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if lease is not None or not healthy or left <= 0:
                 return lease
-            time.sleep(self._poll_s)
+            with self._freed:
+                self._freed.wait(min(left, pause * random.uniform(0.5, 1.0)))
+            pause = min(2 * pause, MAX_POLL_S)
 
     def _try_once(self, candidates: Sequence[Server]) -> Lease | None:
         for server in sorted(candidates, key=lambda s: len(s.held)):
@@ -227,10 +242,12 @@ class Router:
         return None
 
     def release(self, lease: Lease) -> None:
-        """Return the slot."""
+        """Return the slot, and wake one thread waiting for one."""
         with self._lock:
             lease.server.held.discard(lease.token)
         self._slots.release(lease.server.name, lease.token)
+        with self._freed:
+            self._freed.notify()
 
     def release_all(self) -> None:
         """Give back every slot this process holds (it is about to exit)."""

@@ -7,9 +7,9 @@ the reason, never data.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from models.records import GenerationRecord
 from worker.retry import AttemptError, ErrorKind
@@ -26,6 +26,22 @@ class Request:
     max_new_tokens: int | None = None
     # The run's tokenizer size; None for runs stored before it was recorded.
     vocab_size: int | None = None
+    # The stop_token_ids sent (``stop_ids``); None when the params hold none to check by.
+    stop_token_ids: frozenset[int] | None = None
+
+
+def stop_ids(sampling_params: Mapping[str, Any]) -> frozenset[int] | None:
+    """The ``stop_token_ids`` a job sends, or None when it sends no list of them.
+
+    SGLang also stops on the model's own eos ids (generation_config and tokenizer); the
+    stored default is meant to hold them. Params without stop_token_ids at all (a run file
+    that removed them, a database edited by hand) leave only the server's eos ids to stop
+    at, which the worker does not know: a stop is then not checked against ids.
+    """
+    ids = sampling_params.get("stop_token_ids")
+    if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+        return None
+    return frozenset(ids)
 
 
 def _fail(reason: str) -> AttemptError:
@@ -35,7 +51,7 @@ def _fail(reason: str) -> AttemptError:
     )
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     """An integer, not a boolean (JSON `true` is an int to Python)."""
     return type(value) is int
 
@@ -73,8 +89,8 @@ def check_response(body: Any, sent: Request, server: str) -> GenerationRecord:
         )
     prompt, completion = _counts(meta, output_ids, sent)
     matched = finish.get("matched", finish.get("length"))
-    if finish_type == "stop" and _is_int(matched) and output_ids[-1:] != [matched]:
-        raise _fail(f"finish matched token {matched} is not the last output id")
+    if finish_type == "stop" and _is_int(matched):
+        _check_stop_token(matched, output_ids, sent)
     return GenerationRecord(
         output_ids=output_ids,
         finish_type=finish_type,
@@ -86,6 +102,26 @@ def check_response(body: Any, sent: Request, server: str) -> GenerationRecord:
         server=server,
         meta_info=meta,
     )
+
+
+def _check_stop_token(matched: int, output_ids: list[int], sent: Request) -> None:
+    """A stop on a token: the last output id, and one of the ids the job stops at.
+
+    SGLang reports a stop token id and an eos id alike (``{"type": "stop", "matched": id}``);
+    a stop string or SGLang's own "NaN happened" has a str ``matched`` and is not checked.
+    """
+    if output_ids[-1:] != [matched]:
+        raise _fail(f"finish matched token {matched} is not the last output id")
+    if sent.stop_token_ids is not None and matched not in sent.stop_token_ids:
+        # Retried, unlike the other invariants: a stop the run does not know says more about
+        # the server than the job (started on another model or with other eos ids), and
+        # another attempt, maybe on another server, can stop where the run stops.
+        raise AttemptError(
+            f"invalid response: finish matched token {matched}, which is not one of the "
+            f"run's stop ids {sorted(sent.stop_token_ids)}",
+            retryable=True,
+            kind=ErrorKind.INVALID_RESPONSE,
+        )
 
 
 def _output_ids(value: object, vocab_size: int | None) -> list[int]:

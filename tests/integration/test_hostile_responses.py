@@ -124,6 +124,36 @@ def test_a_good_answer_from_the_same_server_is_stored(
     assert generation is not None and generation["output_ids"] == [5, 6, 4]
 
 
+@pytest.mark.parametrize(("output", "done"), [([5, 6, 7], False), ([5, 6, 4], True)])
+def test_a_stop_on_a_token_the_run_does_not_stop_at_is_retried_then_failed(
+    output: list[int],
+    done: bool,
+    hostile: tuple[Settings, Behaviour],
+    repo: Repository,
+    tmp_path: Path,
+) -> None:
+    """A server that reports a stop on 7, the last id but not the run's stop id (4, the
+    bundled tokenizer's eos, sent as stop_token_ids): retried, then failed with the reason."""
+    settings, behaviour = hostile
+    finish = {"type": "stop", "matched": output[-1]}
+    behaviour.answer = lambda r: good(r, output, finish_reason=finish)
+    with worker(settings):
+        enqueue_file(
+            settings, write_jsonl(tmp_path / "d.jsonl", sample_rows(1)), max_new_tokens=MAX_NEW
+        )
+        states = wait_settled(repo, timeout_s=60)
+    [job_id] = repo.job_ids()
+    job = repo.job(job_id)
+    assert job is not None
+    if done:
+        assert states[JobState.DONE.value] == 1, job
+        return
+    assert states[JobState.FAILED.value] == 1, job
+    assert job["attempts"] == settings.max_attempts == behaviour.requests
+    assert "finish matched token 7, which is not one of the run's stop ids [4]" in job["last_error"]
+    assert repo.generation(job_id) is None
+
+
 # A 400 body with terminal controls: an OSC that retitles the terminal (ESC ] ... BEL) and a
 # CSI that clears it. Sent raw (not JSON), so the worker keeps the body's text as it came.
 CONTROLS = b"\x1b]0;pwned\x07 denied\x1b[2J"

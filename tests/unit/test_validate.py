@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from worker.retry import AttemptError
-from worker.validate import Request, check_response
+from worker.retry import AttemptError, ErrorKind
+from worker.validate import Request, check_response, stop_ids
 
 STOP = 4
 PROMPT = [7, 8, 9]
@@ -99,3 +99,50 @@ def test_a_run_without_a_recorded_vocabulary_still_refuses_negative_ids() -> Non
     assert check_response(body([10**6, STOP]), older, "sim").output_ids == [10**6, STOP]
     with pytest.raises(AttemptError, match="negative"):
         check_response(body([-1, STOP]), older, "sim")
+
+
+EOS = 5  # a second stop id, as a model's generation_config may list
+STOPPING = Request(PROMPT, rid="1", max_new_tokens=16, stop_token_ids=frozenset({STOP, EOS}))
+
+
+def test_a_stop_on_one_of_the_run_s_stop_ids_is_stored() -> None:
+    for stop in (STOP, EOS):
+        finish = {"type": "stop", "matched": stop}
+        record = check_response(body([100, stop], finish_reason=finish), STOPPING, "sim")
+        assert record.finish_matched == stop
+
+
+def test_a_stop_on_a_token_the_run_does_not_stop_at_is_refused_and_retried() -> None:
+    # The last id, as a stop must be, but not one the job sent nor the run's eos.
+    finish = {"type": "stop", "matched": 101}
+    with pytest.raises(AttemptError) as info:
+        check_response(body([100, 101], finish_reason=finish), STOPPING, "sim")
+    assert "finish matched token 101, which is not one of the run's stop ids [4, 5]" in str(
+        info.value
+    )
+    assert (info.value.retryable, info.value.kind) == (True, ErrorKind.INVALID_RESPONSE)
+
+
+@pytest.mark.parametrize("matched", ["</answer>", "NaN happened", None])
+def test_a_stop_string_or_no_match_is_not_checked_against_ids(matched: object) -> None:
+    finish = {"type": "stop", "matched": matched}
+    record = check_response(body([100, 101], finish_reason=finish), STOPPING, "sim")
+    assert (record.finish_type, record.finish_matched) == ("stop", None)
+
+
+def test_the_stop_ids_come_from_the_params_sent_and_are_not_checked_without_them() -> None:
+    assert stop_ids({"stop_token_ids": [4, 5], "max_new_tokens": 8}) == {4, 5}
+    # No list to check by: the server stops at its model's eos ids, which the job never named.
+    for params in (
+        {},
+        {"stop_token_ids": []},
+        {"stop_token_ids": None},
+        {"stop_token_ids": [True]},
+    ):
+        assert stop_ids(params) is None
+    unchecked = Request(PROMPT, rid="1", stop_token_ids=stop_ids({}))
+    finish = {"type": "stop", "matched": 101}
+    assert (
+        check_response(body([100, 101], finish_reason=finish), unchecked, "sim").finish_matched
+        == 101
+    )
