@@ -41,7 +41,7 @@ from exporter.rows import TokenRow, select_row
 from exporter.shaping import ConversationShaper, ValidityCheck
 from exporter.split import TRAIN, VAL, split_of
 from exporter.tally import Tally
-from exporter.tokenizer import RunTokenizer
+from exporter.tokenizer import RunTokenizer, for_run, run_stop_ids
 from exporter.writers import Row, Shard, SplitWriter
 from models.export import PromptedGeneration
 from models.records import ExportedGeneration, ExportRun
@@ -110,7 +110,7 @@ def load_tokenizer(run: ExportRun, request: ExportRequest) -> RunTokenizer | Non
     """The run's tokenizer when the export needs one (a ValueError naming why it cannot)."""
     if not needs_tokenizer(request.options):
         return None
-    return RunTokenizer(run, trust_remote_code=request.trust_remote_code)
+    return for_run(run, trust_remote_code=request.trust_remote_code)
 
 
 def _previous(request: ExportRequest, run: ExportRun) -> Previous | None:
@@ -183,7 +183,7 @@ def _write(
     }
     tally = Tally()
     trips = RoundTrips() if options.format == CONVERSATIONS else None
-    shape = _shaper(options, tokenizer, trips)
+    shape = _shaper(run, options, tokenizer, trips)
     cursor = None if previous is None else previous.cursor()
     seen = {} if previous is None else dict(previous.seen)
     try:
@@ -223,12 +223,15 @@ def _scan(
             yield _Scan(tscan.started_at, tscan.rows)
 
 
-def _shaper(options: Options, tokenizer: RunTokenizer | None, trips: RoundTrips | None) -> Shape:
+def _shaper(
+    run: ExportRun, options: Options, tokenizer: RunTokenizer | None, trips: RoundTrips | None
+) -> Shape:
     if tokenizer is None:
         return lambda gen: (gen, select_row(gen, options.filters))
+    stops = run_stop_ids(run)  # the run's stored stop ids, never the tokenizer's again
     if trips is not None:
-        return ConversationShaper(options, tokenizer, trips)
-    check = ValidityCheck(tokenizer)
+        return ConversationShaper(options, tokenizer, trips, stops)
+    check = ValidityCheck(tokenizer, stops)
 
     def tokens(item: PromptedGeneration) -> tuple[ExportedGeneration, Row | str]:
         gen = item.generation

@@ -192,7 +192,8 @@ _COLUMNS = {
         "assistant": "the last turn, decoded from the exact output ids: reasoning_content "
         "before the think-end token, content after it, tool_calls from the tool-call sections",
         "metadata.roundtrip_exact": "the run's chat template re-applied to the row gives the "
-        "recorded prompt + output ids exactly",
+        "recorded prompt + output ids exactly, or exactly but for what the template writes "
+        "after the turn's stop token (roundtrip.DATASET.exact_up_to_turn_suffix counts those)",
     },
 }
 

@@ -1,21 +1,23 @@
 """Generations decoded with the run's tokenizer: conversation rows and the validity filter.
 
 The thin I/O-bound step between the scan and the writers: each generation's ids are
-unpacked, cut into their parts (``core.anatomy``), decoded, filtered, re-templated for the
-round trip (``exporter.roundtrip``) and encoded as one JSON Lines line.
+unpacked, cut into their parts by the run's model family (``core.families``, with its
+dataset's stored stop ids), decoded, filtered, re-templated for the round trip
+(``exporter.roundtrip``) and encoded as one JSON Lines line.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
 
-from core.anatomy import dissect, parse_calls, valid
+from core.anatomy import valid
 from exporter.conversations import Prompt, Turn, conversation, decode_turn, document
 from exporter.manifest import Options
-from exporter.roundtrip import Check, RoundTrips, check, failed
+from exporter.roundtrip import Check, RoundTrips, check, failed, turn_end
 from exporter.rows import NO_LOSS, NOT_EXACT, removal
 from exporter.tokenizer import RunTokenizer
 from exporter.writers import Line, Row
@@ -23,44 +25,55 @@ from models.export import PromptedGeneration
 from models.records import ExportedGeneration
 from models.tokens import unpack
 
+# Dataset name -> its stored stop ids (exporter.tokenizer.run_stop_ids).
+Stops = Mapping[str, tuple[int, ...]]
+
 
 class ValidityCheck:
     """``--only-valid`` for token rows: whether every invariant of a generation held."""
 
-    def __init__(self, tokenizer: RunTokenizer) -> None:
+    def __init__(self, tokenizer: RunTokenizer, stops: Stops) -> None:
         self._tokenizer = tokenizer
+        self._stops = stops
 
     def __call__(self, item: PromptedGeneration) -> bool:
-        anatomy = dissect(
+        read = self._tokenizer.read(
             unpack(item.generation.output_packed),
-            self._tokenizer.markers,
+            self._stops.get(item.generation.dataset, ()),
             opens_reasoning=item.opens_reasoning,
+            declared=Prompt.of(item.messages).declared(),
         )
-        declared = Prompt.of(item.messages).declared()
-        return valid(anatomy, parse_calls(anatomy, self._tokenizer.decode, declared))
+        return valid(read.anatomy, read.calls)
 
 
 class ConversationShaper:
     """``--format conversations``: one generation in, its line (or its removal) out."""
 
-    def __init__(self, options: Options, tokenizer: RunTokenizer, trips: RoundTrips) -> None:
+    def __init__(
+        self, options: Options, tokenizer: RunTokenizer, trips: RoundTrips, stops: Stops
+    ) -> None:
         assert options.style is not None, "conversations have a style"
         self._options = options
         self._style = options.style
         self._tokenizer = tokenizer
         self._trips = trips
+        self._stops = stops
+        # What the run's template writes after a final assistant turn: probed once.
+        self._turn_end = turn_end(tokenizer)
 
     def __call__(self, item: PromptedGeneration) -> tuple[ExportedGeneration, Row | str]:
         gen = item.generation
         filters = self._options.filters
         prompt = Prompt.of(item.messages)
         output = unpack(gen.output_packed)
+        tok = self._tokenizer
         _, turn = decode_turn(
             output,
-            self._tokenizer.markers,
-            self._tokenizer.decode,
+            tok.markers(self._stops.get(gen.dataset, ())),
+            tok.decode,
             opens_reasoning=item.opens_reasoning,
             declared=prompt.declared(),
+            family=tok.family,
         )
         removed = removal(gen, filters, lambda: turn.valid)
         if removed is not None:
@@ -68,7 +81,8 @@ class ConversationShaper:
         prompt_ids = unpack(gen.prompt_packed)
         if filters.max_len is not None and len(prompt_ids) >= filters.max_len:
             return gen, NO_LOSS  # a trainer's cut would leave only prompt
-        result = self._round_trip(prompt, turn, prompt_ids + output, len(prompt_ids))
+        stops = self._stops.get(gen.dataset, ())
+        result = self._round_trip(prompt, turn, prompt_ids + output, len(prompt_ids), stops)
         self._trips.add(gen.dataset, gen.job_id, result)
         if filters.require_exact and not result.exact:
             return gen, NOT_EXACT
@@ -77,14 +91,27 @@ class ConversationShaper:
         return gen, Line(json_line(doc))
 
     def _round_trip(
-        self, prompt: Prompt, turn: Turn, recorded: list[int], prompt_len: int
+        self,
+        prompt: Prompt,
+        turn: Turn,
+        recorded: list[int],
+        prompt_len: int,
+        stops: Sequence[int],
     ) -> Check:
         tok = self._tokenizer
         try:
             text = tok.render(conversation(prompt, turn), prompt.tools)
         except Exception as exc:  # jinja raises many types; any of them fails the round trip
             return failed(exc)
-        return check(recorded, prompt_len, text, tok.encode, tok.decode)
+        return check(
+            recorded,
+            prompt_len,
+            text,
+            tok.encode,
+            tok.decode,
+            end_of_turn=self._turn_end,
+            stops=frozenset(stops),
+        )
 
 
 def json_line(document: dict[str, Any]) -> bytes:
@@ -116,7 +143,8 @@ def _metadata(
         "prompt_len": prompt_len,
         "completion_tokens": gen.completion_tokens,
         "think_end_present": gen.think_end_present,
-        "tool_calls": len(turn.calls),
+        # A family whose calls are not read says so, never "0 calls".
+        "tool_calls": len(turn.calls) if turn.calls_checked else "not checked",
         "valid": turn.valid,
         "roundtrip_exact": result.exact,
         "roundtrip_position": result.position,

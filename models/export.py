@@ -89,6 +89,7 @@ class ExportQueries:
             chat_template_kwargs=dict(run["chat_template_kwargs"] or {}),
             think_end_id=run["think_end_id"],
             sampling=sampling,
+            family=run["family"],
         )
 
     def done_counts(self, run_id: int) -> dict[str, int]:

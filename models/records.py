@@ -28,6 +28,10 @@ class RunSpec:
     vocab_size: int | None = None
     # The publishing order's seed (models.order); None: a new run draws one.
     order_seed: int | None = None
+    # Its model family (core.families); ``family_named``: the run file named it (a run
+    # recorded with another is then refused), else it was detected (the recorded one stays).
+    family: str | None = None
+    family_named: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,9 @@ class DatasetSpec:
     # What its claims reserve (models.ledger.ReservePolicy); None: a new dataset takes the
     # default, one that exists keeps its own.
     reserve: str | None = None
+    # The stop ids are the tokenizer's default, not the run file's: a dataset that exists
+    # keeps the ones it stored (the default's rule may have changed since).
+    stops_defaulted: bool = False
 
 
 @dataclass(frozen=True)
@@ -284,6 +291,8 @@ class StatusSnapshot:
     unattributed_errors: dict[str, int]
     # Each run's publishing order seed (models.order).
     order_seeds: dict[str, int] = field(default_factory=dict)
+    # Each run's model family (core.families); None: not recorded (a run before 0010).
+    families: dict[str, str | None] = field(default_factory=dict)
     # Queued jobs (of the datasets shown) that have a message out: the window's Postgres side.
     published: int = 0
 
@@ -302,6 +311,8 @@ class ExportRun:
     think_end_id: int | None
     # Dataset name -> its sampling params, for every dataset of the run.
     sampling: dict[str, dict[str, Any]]
+    # Its model family (core.families); None: not recorded, detected from the tokenizer.
+    family: str | None = None
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,7 @@ class Repository(
                     think_end_id=spec.think_end_id,
                     vocab_size=spec.vocab_size,
                     order_seed=new_seed() if spec.order_seed is None else spec.order_seed,
+                    family=spec.family,
                 )
                 .on_conflict_do_nothing(index_elements=[Run.name])
             )
@@ -167,6 +168,10 @@ class Repository(
                 .where(same_tokenizer, Run.vocab_size.is_(None))
                 .values(vocab_size=spec.vocab_size)
             )
+            # A run from before families were recorded (0010) takes this enqueue's.
+            conn.execute(
+                update(Run).where(same_tokenizer, Run.family.is_(None)).values(family=spec.family)
+            )
             row = conn.execute(
                 select(
                     Run.id,
@@ -174,6 +179,7 @@ class Repository(
                     Run.chat_template_sha256,
                     Run.chat_template_kwargs,
                     Run.order_seed,
+                    Run.family,
                 ).where(Run.name == spec.name)
             ).one()
         differs = [
@@ -195,7 +201,13 @@ class Repository(
                 f"run {spec.name!r} was created with another {' and '.join(differs)}; "
                 "a run never mixes two tokenizations: start a new run (--run NEW_NAME)"
             )
+        _check_family(spec, row.family)
         return int(row.id)
+
+    def run_family(self, run: str) -> str | None:
+        """The model family a run recorded (None: no such run, or none recorded)."""
+        with self.engine.connect() as conn:
+            return conn.scalar(select(Run.family).where(Run.name == run))
 
     def order_seed(self, run: str) -> int | None:
         """The publishing order's seed of a run (None: no such run)."""
@@ -226,17 +238,15 @@ class Repository(
                     Dataset.run_id == run_id, Dataset.name == spec.name
                 )
             ).one()
-            unchanged = (row.sampling_params, row.budget_basis) == (
-                spec.sampling_params,
-                spec.budget_basis,
-            )
+            same_params = _same_params(row.sampling_params, spec)
+            unchanged = same_params and row.budget_basis == spec.budget_basis
             if reserve and unchanged:  # else refused below, and nothing changes
                 conn.execute(
                     update(Dataset)
                     .where(Dataset.id == row.id, Dataset.reserve != reserve["reserve"])
                     .values(**reserve)
                 )
-        if row.sampling_params != spec.sampling_params:
+        if not same_params:
             raise DatasetMismatchError(
                 f"dataset {spec.name!r} already has jobs with sampling params "
                 f"{row.sampling_params}; start a new run (--run NEW_NAME) to change them"
@@ -349,6 +359,32 @@ class Repository(
                 )
             ).one()
         return int(row[0]), int(row[1])
+
+
+def _check_family(spec: RunSpec, recorded: str | None) -> None:
+    """Refuse an enqueue that names another family than the run recorded (one detected
+    reads the run as it was recorded: the tokenizer and template are the same)."""
+    if spec.family_named and recorded is not None and recorded != spec.family:
+        raise RunMismatchError(
+            f"run {spec.name!r} is recorded as model family {recorded!r}, this enqueue names "
+            f"{spec.family!r}: a run reads all its generations one way; start a new run "
+            "(--run NEW_NAME) or drop `family`"
+        )
+
+
+def _same_params(stored: dict[str, Any], spec: DatasetSpec) -> bool:
+    """Whether ``spec`` asks for the sampling params the dataset stored: stop ids the
+    tokenizer's default keep the stored ones (an enqueue before the default's rule changed
+    stored others, which the dataset's jobs were sent with)."""
+    if stored == spec.sampling_params:
+        return True
+    if not spec.stops_defaulted:
+        return False
+    return _without_stops(stored) == _without_stops(spec.sampling_params)
+
+
+def _without_stops(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k != "stop_token_ids"}
 
 
 def _assemble_counts(

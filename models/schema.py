@@ -63,6 +63,9 @@ class Run(Base):
     # Seeds the publishing order of the run's jobs (models.order): recorded, so that a
     # re-run with the same seed generates the same sample under the same budgets.
     order_seed: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # The model family whose layout its generations have (core.families), detected at
+    # enqueue or named by the run file; NULL for runs before 0010: readers detect it again.
+    family: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created_at: Mapped[datetime] = _now()
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Engine, text
 
+from core.tokenizer import stored_stop_ids
 from models.tokens import pack, unpack
 
 # Percentiles every distribution reports, in this order.
@@ -182,9 +183,8 @@ class StatsDataset:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """The ids that end its generations."""
-        ids = self.sampling_params.get("stop_token_ids") or ()
-        return tuple(i for i in ids if type(i) is int)
+        """The ids that end its generations (``core.tokenizer.stored_stop_ids``)."""
+        return stored_stop_ids(self.sampling_params)
 
 
 @dataclass(frozen=True)
@@ -197,6 +197,9 @@ class StatsRun:
     think_end_id: int | None
     vocab_size: int | None
     datasets: tuple[StatsDataset, ...]
+    # Its model family (core.families); None: not recorded, detected from the tokenizer.
+    family: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -295,8 +298,8 @@ class StatsQueries:
             run = (
                 conn.execute(
                     text(
-                        "SELECT id, name, tokenizer_path, think_end_id, vocab_size"
-                        " FROM runs WHERE name = :name"
+                        "SELECT id, name, tokenizer_path, think_end_id, vocab_size, family,"
+                        " chat_template_kwargs FROM runs WHERE name = :name"
                     ),
                     {"name": name},
                 )
@@ -319,6 +322,8 @@ class StatsQueries:
             think_end_id=run["think_end_id"],
             vocab_size=run["vocab_size"],
             datasets=found,
+            family=run["family"],
+            chat_template_kwargs=dict(run["chat_template_kwargs"] or {}),
         )
 
     def job_states(self, run_id: int, names: Sequence[str]) -> dict[str, dict[str, int]]:
@@ -505,7 +510,7 @@ def _detail(r: Any) -> Detail:
         input_ids=unpack(bytes(r["input_ids"])),
         opens_reasoning=bool(r["opens"]),
         tools=r["tools"],
-        stop_token_ids=StatsDataset("", params).stop_token_ids,
+        stop_token_ids=stored_stop_ids(params),
         output_ids=None if output is None else unpack(bytes(output)),
         finish_type=r["finish_type"],
         finish_matched=r["finish_matched"],

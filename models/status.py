@@ -47,8 +47,9 @@ class StatusQueries:
             datasets = conn.execute(_datasets(run)).all()
             recent = conn.execute(_recent_generations()).all()
             errors = conn.execute(_recent_errors()).all()
-            published = dict(conn.execute(_published()).tuples().all())
-            seeds = dict(conn.execute(select(Run.name, Run.order_seed)).tuples().all())
+            published = dict(conn.execute(_published()).all())
+            seeds = dict(conn.execute(select(Run.name, Run.order_seed)).all())
+            families = dict(conn.execute(select(Run.name, Run.family)).all())
         ours = {int(d.id) for d in datasets}
         recent = [r for r in recent if r.dataset_id in ours]
         errors = [e for e in errors if e.dataset_id in ours]
@@ -61,6 +62,7 @@ class StatusQueries:
             servers=_servers(recent, errors, now),
             unattributed_errors=_unattributed(errors),
             order_seeds={r: int(seeds[r]) for r in sorted({d.run for d in datasets})},
+            families={r: families[r] for r in sorted({d.run for d in datasets})},
             published=sum(int(published.get(d, 0)) for d in ours),
         )
 

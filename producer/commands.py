@@ -50,6 +50,7 @@ def run_enqueue(
         plan.tokenizer,
         trust_remote_code=plan.trust_remote_code,
         template_kwargs=plan.chat_template_kwargs,
+        family=plan.family,
     )
     # Before the progress bars' threads start: workers can then fork from this process.
     with (

@@ -145,6 +145,13 @@ class RunReport:
     warnings: list[str] = field(default_factory=list)
     # The run's publishing order seed (models.order); a dry run knows only a given one.
     order_seed: int | None = None
+    # The run's model family (core.families): recorded with it (a dry run: what would be),
+    # and where it comes from: "named" (run file or flag), "detected" (the tokenizer's
+    # special tokens and template) or "recorded" (the run's, from an earlier enqueue).
+    family: str = "unknown"
+    family_source: str = "detected"
+    # The stop ids a dataset stores when its sampling names none (RunTokenizer).
+    default_stop_ids: list[int] = field(default_factory=list)
 
     @property
     def empty_datasets(self) -> list[str]:
@@ -157,6 +164,9 @@ class RunReport:
             "run": self.run,
             "dry_run": self.dry_run,
             "order_seed": self.order_seed,
+            "family": self.family,
+            "family_source": self.family_source,
+            "default_stop_token_ids": self.default_stop_ids,
             **totals(self.datasets),
             "datasets": {s.dataset: s.as_dict() for s in self.datasets},
             "empty_datasets": self.empty_datasets,
@@ -189,6 +199,8 @@ def run_spec(plan: RunPlan, templater: Templater) -> RunSpec:
         think_end_id=templater.think_end_id(),
         vocab_size=templater.vocab_size(),
         order_seed=plan.order_seed,
+        family=templater.family.name,
+        family_named=templater.family_named,
     )
 
 
@@ -213,7 +225,7 @@ def enqueue_run(
     """
     for dataset in plan.datasets:
         detect_format(dataset.path, dataset.fmt)
-    stop_ids = templater.stop_token_ids()
+    stop_ids = templater.default_stop_ids()
     params = {d.name: plan.sampling_params(d, stop_ids) for d in plan.datasets}
     sinks: dict[str, Sink] = {}
     try:
@@ -242,7 +254,14 @@ def _enqueue_datasets(
 ) -> RunReport:
     """Enqueue every dataset of ``plan`` into its sink, in order."""
     seed = plan.order_seed if repo is None else repo.order_seed(plan.run)
-    report = RunReport(plan.run, dry_run=repo is None, datasets=[], order_seed=seed)
+    report = RunReport(
+        plan.run,
+        dry_run=repo is None,
+        datasets=[],
+        order_seed=seed,
+        default_stop_ids=templater.default_stop_ids(),
+    )
+    report.family, report.family_source = _family(plan, templater, repo)
     report.warnings.extend(_budget_warnings(plan, sinks))
     if preparer is None:
         preparer = make_preparer(plan, templater, None)
@@ -266,6 +285,17 @@ def _enqueue_datasets(
             "and the workers' feeder publishes them at its next pass once Redis takes writes"
         )
     return report
+
+
+def _family(plan: RunPlan, templater: Templater, repo: Repository | None) -> tuple[str, str]:
+    """The run's family and where it comes from (`RunReport.family_source`)."""
+    mine = templater.family.name
+    recorded = None if repo is None else repo.run_family(plan.run)
+    if templater.family_named:
+        return mine, "named"  # a run recorded with another refused it before this
+    if recorded is not None and recorded != mine:
+        return recorded, "recorded"
+    return mine, "detected"
 
 
 def _nothing_accepted(dataset: DatasetPlan, stats: DatasetStats) -> Iterator[str]:
@@ -359,6 +389,7 @@ def _sinks(
                 budget_tokens=d.budget_tokens,
                 budget_basis=d.budget_basis.value,
                 reserve=None if d.reserve is None else d.reserve.value,
+                stops_defaulted=not plan.names_stop_ids(d),
             ),
         )
         sinks[d.name] = DatabaseSink(repo, publisher, dataset_id, repo.budget_of(dataset_id))

@@ -181,6 +181,7 @@ class Preparer:
                 templater.path,
                 templater.trust_remote_code,
                 templater.template_kwargs,
+                templater.named_family,  # its think pair decides what opens reasoning
                 self._spool,
             ),
         )
@@ -225,16 +226,20 @@ def _context() -> BaseContext:
 
 
 def _start_worker(
-    path: Path, trust_remote_code: bool, template_kwargs: dict[str, Any], spool: Path
+    path: Path,
+    trust_remote_code: bool,
+    template_kwargs: dict[str, Any],
+    family: str | None,
+    spool: Path,
 ) -> None:
     """Pool initializer of fork-server workers: build this worker's Templater once."""
     # One tokenizer thread per worker: the workers already fill the cores, and idle threads
     # of the tokenizer's own pool would spin on them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _become_worker(
-        Templater(path, trust_remote_code=trust_remote_code, template_kwargs=template_kwargs),
-        spool,
+    templater = Templater(
+        path, trust_remote_code=trust_remote_code, template_kwargs=template_kwargs, family=family
     )
+    _become_worker(templater, spool)
 
 
 def _adopt_templater(templater: Templater, spool: Path) -> None:

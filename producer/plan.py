@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.families import family_named
 from core.names import check_name
 from core.sampling import complete
 from models.ledger import BudgetBasis, ReservePolicy, parse_tokens
@@ -47,13 +48,20 @@ class RunPlan:
     sampling: dict[str, Any] = field(default_factory=dict)
     # Seeds the order jobs are generated in (models.order); None: a new run draws one.
     order_seed: int | None = None
+    # The model family (core.families) by name; None: detected from the tokenizer.
+    family: str | None = None
 
     def __post_init__(self) -> None:
         check_name("run", self.run)
 
     def sampling_params(self, dataset: DatasetPlan, stop_token_ids: list[int]) -> dict[str, Any]:
-        """Every sampling value sent for this dataset: defaults < run < dataset."""
+        """Every sampling value sent for this dataset: defaults < run < dataset;
+        ``stop_token_ids`` unless the run file names its own (stored as given)."""
         return complete({**self.sampling, **dataset.sampling}, stop_token_ids)
+
+    def names_stop_ids(self, dataset: DatasetPlan) -> bool:
+        """Whether the run file names the dataset's stop ids (else the tokenizer's default)."""
+        return "stop_token_ids" in {**self.sampling, **dataset.sampling}
 
 
 def plan_from_run_file(run_file: RunFile) -> RunPlan:
@@ -67,6 +75,7 @@ def plan_from_run_file(run_file: RunFile) -> RunPlan:
         max_context_len=run_file.max_context_len,
         sampling=dict(run_file.sampling),
         order_seed=run_file.order_seed,
+        family=run_file.family,
         datasets=[
             DatasetPlan(
                 name=d.name,
@@ -101,6 +110,7 @@ def plan_from_flags(
     trust_remote_code: bool = False,
     model: str | None = None,
     order_seed: int | None = None,
+    family: str | None = None,
 ) -> RunPlan:
     """The quick form: one dataset file and the same knobs as flags."""
     missing = [
@@ -125,6 +135,7 @@ def plan_from_flags(
         chat_template_kwargs=parse_template_kwargs(template_kwargs or []),
         max_context_len=max_context_len,
         order_seed=order_seed,
+        family=None if family is None else family_named(family).name,
         datasets=[
             DatasetPlan(
                 name=dataset,

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from core.families import family_named
 from models.ledger import BudgetBasis, ReservePolicy, parse_tokens
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
@@ -55,7 +56,15 @@ class RunFile(BaseModel):
     max_context_len: int | None = Field(default=None, ge=2)
     sampling: dict[str, Any] = Field(default_factory=dict)
     order_seed: int | None = Field(default=None, ge=0, lt=1 << 62)
+    # The model family whose layout the generations have (core.families); None: detected
+    # from the tokenizer's special tokens and template.
+    family: str | None = None
     datasets: list[DatasetEntry] = Field(min_length=1)
+
+    @field_validator("family")
+    @classmethod
+    def _family(cls, value: str | None) -> str | None:
+        return None if value is None else family_named(value).name
 
     @field_validator("datasets")
     @classmethod

@@ -1,35 +1,19 @@
-"""The model's own chat template, applied with transformers; hashes for reproducibility."""
+"""The prompts of a run rendered to ``input_ids``: the run's tokenizer (``core.tokenizer``),
+with its rows' errors told as rejections and its batches of prompts without tools rendered
+the cheap way (`_DirectRenderer`)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import ChainMap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from core.tokenizer import load_tokenizer
+from core.tokenizer import RunTokenizer
 from producer.rows import Prompt, RowError
 
-# The reasoning markers of Kimi-K2, DeepSeek-R1 and Qwen3 alike.
-THINK_START, THINK_END = "<think>", "</think>"
 
-# Files that define tokenization (remote code included: every .py file, since the
-# tokenization_*.py module may import helpers beside it); weights and configs are not hashed.
-_TOKENIZER_FILES = (
-    "tokenization",
-    "tokenizer",
-    "special_tokens_map",
-    "added_tokens",
-    "vocab",
-    "merges",
-    "chat_template",
-)
-_TOKENIZER_SUFFIXES = (".tiktoken", ".model", ".py")
-
-
-class Templater:
+class Templater(RunTokenizer):
     """Renders prompts to ``input_ids`` exactly as ``apply_chat_template`` does."""
 
     def __init__(
@@ -38,46 +22,30 @@ class Templater:
         *,
         trust_remote_code: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        family: str | None = None,
     ) -> None:
-        self.path = tokenizer_path
-        self.trust_remote_code = trust_remote_code
-        self.tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
-        if not self.tokenizer.chat_template:
-            raise ValueError(f"{tokenizer_path}: the tokenizer has no chat template")
-        self.template_kwargs = dict(template_kwargs or {})
+        super().__init__(
+            tokenizer_path,
+            trust_remote_code=trust_remote_code,
+            template_kwargs=template_kwargs,
+            family=family,
+        )
         _flatten_template_globals(self.tokenizer.chat_template)
         self._direct = _DirectRenderer.of(self.tokenizer, self.template_kwargs)
         if self._direct is not None and not self._direct_render_agrees():
             self._direct = None
-        # Slow (pure-Python or remote-code) tokenizers have no Rust backend.
-        self._backend: Any = getattr(self.tokenizer, "backend_tokenizer", None)
-        self._think_pair = self._find_think_pair()
-        self._blank: dict[int, bool] = {}
 
     @property
     def renders_directly(self) -> bool:
         """Whether prompts without tools skip apply_chat_template (see `_DirectRenderer`)."""
         return self._direct is not None
 
-    @property
-    def is_fast(self) -> bool:
-        """Whether the Rust tokenizer encodes: it releases the GIL while it works."""
-        return self._backend is not None
-
     def render(self, prompt: Prompt) -> str:
         """The prompt text the template produces, ending with the generation prompt."""
-        tools: Any = prompt.tools
         try:
-            text = self.tokenizer.apply_chat_template(
-                prompt.messages,
-                tools=tools,
-                add_generation_prompt=True,
-                tokenize=False,
-                **self.template_kwargs,
-            )
+            return self.render_chat(prompt.messages, prompt.tools, add_generation_prompt=True)
         except Exception as exc:  # jinja raises many types; any of them rejects the row
             raise RowError("template_error", f"{type(exc).__name__}: {exc}") from exc
-        return str(text)
 
     def render_many(self, prompts: Sequence[Prompt]) -> list[str | RowError]:
         """Render prompts; those without tools in one call, as transformers batches them."""
@@ -97,10 +65,7 @@ class Templater:
         """Render conversations without tools as apply_chat_template(tokenize=False) does."""
         if self._direct is not None:
             return self._direct(conversations)
-        texts = self.tokenizer.apply_chat_template(
-            conversations, add_generation_prompt=True, tokenize=False, **self.template_kwargs
-        )
-        return [str(text) for text in texts]
+        return self.render_chats(conversations, add_generation_prompt=True)
 
     def _direct_render_agrees(self) -> bool:
         """Whether `_DirectRenderer` renders these probes as apply_chat_template does."""
@@ -144,89 +109,6 @@ class Templater:
             return self.render(prompt)
         except RowError as err:
             return err
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Tokenize rendered prompts exactly as apply_chat_template(tokenize=True) does."""
-        if not texts:
-            return []
-        if self._backend is not None:
-            # The Rust tokenizer directly: transformers' per-encoding conversion to
-            # Python dicts cost as much as the tokenization. The fast variant skips the
-            # character offsets (same ids, less CPU); older tokenizers lack it.
-            encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
-            return [e.ids for e in encode(list(texts), add_special_tokens=False)]
-        encoded = self.tokenizer(list(texts), add_special_tokens=False)
-        return [list(ids) for ids in encoded["input_ids"]]
-
-    def vocab_size(self) -> int:
-        """How many ids the tokenizer decodes, added tokens included: every output id a
-        worker stores must be below it."""
-        return len(self.tokenizer)
-
-    def think_end_id(self) -> int | None:
-        """The think-end id of the tokenizer's think pair (None without one): what the
-        worker looks for in the output of a job whose prompt opens a reasoning block."""
-        return None if self._think_pair is None else self._think_pair[1]
-
-    def opens_reasoning(self, input_ids: Sequence[int]) -> bool:
-        """Whether this prompt leaves the model inside a reasoning block.
-
-        True when its last token other than white space is the think-start token: the
-        template opened the block (``<think>`` or ``<think>\n``), so the model never
-        generates that token and must emit think-end before its answer. A prompt whose
-        template closed the block again (``<think></think>``, thinking off) or opened none
-        (e.g. after a tool turn) is not expected to.
-        """
-        if self._think_pair is None:
-            return False
-        for token in reversed(input_ids):
-            if not self._is_blank(token):
-                return token == self._think_pair[0]
-        return False
-
-    def _find_think_pair(self) -> tuple[int, int] | None:
-        """The ids of think-start and think-end, when each is one token of the vocabulary."""
-        start, end = (self._single_token(text) for text in (THINK_START, THINK_END))
-        return None if start is None or end is None else (start, end)
-
-    def _single_token(self, text: str) -> int | None:
-        ids = self.encode_batch([text])[0]
-        return ids[0] if len(ids) == 1 else None
-
-    def _is_blank(self, token: int) -> bool:
-        """Whether ``token`` decodes to white space only (cached: few distinct ids)."""
-        blank = self._blank.get(token)
-        if blank is None:
-            text = str(self.tokenizer.decode([token], skip_special_tokens=False))
-            blank = self._blank[token] = text.strip() == ""
-        return blank
-
-    def stop_token_ids(self) -> list[int]:
-        """The model's end-of-turn ids: generation_config.json's eos, else the tokenizer's."""
-        config = self.path / "generation_config.json"
-        if config.is_file():
-            eos = json.loads(config.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
-        if self.tokenizer.eos_token_id is None:
-            raise ValueError(f"{self.path}: no eos token to stop generation at")
-        return [int(self.tokenizer.eos_token_id)]
-
-    def tokenizer_sha256(self) -> str:
-        """Hash of the files that define tokenization."""
-        digest = hashlib.sha256()
-        for file in sorted(self.path.iterdir()):
-            if file.is_file() and (
-                file.name.startswith(_TOKENIZER_FILES) or file.suffix in _TOKENIZER_SUFFIXES
-            ):
-                digest.update(file.name.encode() + b"\0" + file.read_bytes())
-        return digest.hexdigest()
-
-    def chat_template_sha256(self) -> str:
-        """Hash of the chat template text (all named templates when there are several)."""
-        template = self.tokenizer.chat_template
-        text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()
 
 
 class _DirectRenderer:

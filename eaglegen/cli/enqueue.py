@@ -60,6 +60,14 @@ def enqueue(
     ] = [],  # noqa: B006
     trust_remote_code: Annotated[bool, typer.Option(help="Allow tokenizer code")] = False,
     model: Annotated[str | None, typer.Option(help="Model name recorded on the run")] = None,
+    family: Annotated[
+        str | None,
+        typer.Option(
+            help="The model family whose layout the generations have (qwen3, kimi_k2, "
+            "deepseek_v3, deepseek_v31, glm45, gpt_oss, unknown; default: detected from the "
+            "tokenizer's special tokens and template)"
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option(help="Read and template only; write nothing")] = False,
     workers: Annotated[
         int | None,
@@ -86,10 +94,10 @@ def enqueue(
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     if source.suffix == ".toml":
-        if run or dataset or tokenizer:
+        if run or dataset or tokenizer or family:
             raise ValueError(
-                f"{source}: a run file names the run, datasets and tokenizer; "
-                "drop --run/--dataset/--tokenizer"
+                f"{source}: a run file names the run, datasets, tokenizer and family; "
+                "drop --run/--dataset/--tokenizer/--family"
             )
         plan = plan_from_run_file(load_run_file(source))
         if order_seed is not None:
@@ -110,6 +118,7 @@ def enqueue(
             trust_remote_code=trust_remote_code,
             model=model,
             order_seed=order_seed,
+            family=family,
             sampling={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p},
         )
     for dataset_plan in plan.datasets:  # a bad input is the first thing to hear about
@@ -120,10 +129,27 @@ def enqueue(
         emit_json(report.as_dict())
     else:
         err.print(enqueue_table(report))
+        err.print(inline(family_line(report)), highlight=False, soft_wrap=True)
     for warning in report.warnings:
         err.print(f"[yellow]warning:[/] {inline(warning)}", highlight=False)
     if report.empty_datasets:  # an empty file, or one of which every row was rejected
         raise typer.Exit(1)
+
+
+def family_line(report: RunReport) -> str:
+    """The run's model family and the stop ids a dataset stores by default, in one line; an
+    unknown family said plainly."""
+    how = {
+        "named": "named",
+        "detected": "detected from the tokenizer",
+        "recorded": "recorded with the run",
+    }.get(report.family_source, report.family_source)
+    stops = ", ".join(map(str, report.default_stop_ids)) or "none"
+    if report.family == "unknown":
+        family = f"family: unknown ({how}) — tool calls not checked"
+    else:
+        family = f"family: {report.family} ({how})"
+    return f"{family}; default stop ids: {stops}"
 
 
 def _enqueue_or_explain(

@@ -26,9 +26,9 @@ from eaglegen.cli.base import (
 from eaglegen.report.text import inline
 
 if TYPE_CHECKING:
+    from core.tokenizer import RunTokenizer
     from eaglegen.report.quality import Report
     from eaglegen.report.samples import SampleView
-    from eaglegen.report.stats import Vocabulary
     from models.stats import Detail, StatsQueries, StatsRun
 
 app = typer.Typer()
@@ -76,15 +76,15 @@ def stats(
 ) -> None:
     """The data-quality report of a run, per dataset and in all: lengths, truncation,
     reasoning, tool calls, empty answers, cache hits, latency."""
-    from eaglegen.report.stats import Scope, collect, terminal, warning_lines
+    from eaglegen.report.stats import Scope, collect, run_tokenizer, terminal, warning_lines
 
     settings = load_settings(database_url=database_url, data_dir=data_dir)
     with _queries(database(settings)) as queries:
         found = _run(queries, run)
         scope = Scope(_datasets(found, dataset or []), sample, seed)
-        vocab = _vocabulary(found, tokenizer, trust_remote_code)
+        tok = run_tokenizer(found, tokenizer, trust_remote_code=trust_remote_code)
         with _progress(quiet=json_out) as advance:
-            report = collect(queries, found, scope, vocab, advance)
+            report = collect(queries, found, scope, tok, advance)
     for line in warning_lines(report):
         err.print(line, highlight=False, soft_wrap=True)
     if json_out:
@@ -105,14 +105,16 @@ def show(
     data_dir: DataDir = None,
 ) -> None:
     """One job's generation decoded: prompt tail, reasoning, answer, tool calls, stop."""
+    from eaglegen.report.stats import run_tokenizer
+
     settings = load_settings(database_url=database_url, data_dir=data_dir)
     with _queries(database(settings)) as queries:
         detail = queries.detail(job_id)
         if detail is None:
             raise ValueError(f"no job {job_id}")
         found = _run(queries, detail.run)
-        vocab = _vocabulary(found, tokenizer, trust_remote_code)
-    _print_views(found, vocab, [detail], prompt_tail, json_out, single=True)
+        tok = run_tokenizer(found, tokenizer, trust_remote_code=trust_remote_code)
+    _print_views(found, tok, [detail], prompt_tail, json_out, single=True)
 
 
 @command(app)
@@ -130,27 +132,33 @@ def sample(
     data_dir: DataDir = None,
 ) -> None:
     """A seeded sample of a dataset's generations, decoded as `eaglegen show` does."""
+    from eaglegen.report.stats import run_tokenizer
+
     if not dataset:
         raise ValueError("--dataset is required: name the dataset to sample from")
     settings = load_settings(database_url=database_url, data_dir=data_dir)
     with _queries(database(settings)) as queries:
         found = _run(queries, run)
         [name] = _datasets(found, [dataset])
-        vocab = _vocabulary(found, tokenizer, trust_remote_code)
-        base = vocab.markers()
-        markers = [m for m in (base.section_begin, base.section_end, base.call_begin) if m]
+        tok = run_tokenizer(found, tokenizer, trust_remote_code=trust_remote_code)
+        markers = sorted(tok.markers().call_ids)
+        if where == Where.tool_calls and not markers:
+            raise ValueError(
+                f"run {found.name!r} is of model family {tok.family.name}, whose tool calls "
+                "are not read: --where tool-calls has nothing to pick"
+            )
         kind = None if where is None else where.value
         ids = queries.sample_ids(found.id, name, n, seed, kind, markers)
         details = [d for d in map(queries.detail, ids) if d is not None]
     if not details:
         what = "" if where is None else f" {where.value}"
         err.print(f"no{inline(what)} generation in dataset {inline(name)}", highlight=False)
-    _print_views(found, vocab, details, prompt_tail, json_out, single=False)
+    _print_views(found, tok, details, prompt_tail, json_out, single=False)
 
 
 def _print_views(
     run: StatsRun,
-    vocab: Vocabulary,
+    tok: RunTokenizer,
     details: list[Detail],
     tail: int,
     json_out: bool,
@@ -160,17 +168,15 @@ def _print_views(
     from core.anatomy import THINK_END
     from eaglegen.report.samples import render, view
 
-    stops = {d.name: d.stop_token_ids for d in run.datasets}
     views: list[SampleView] = [
-        view(d, vocab.decode, vocab.markers(stops.get(d.dataset, d.stop_token_ids)), tail)
-        for d in details
+        view(d, tok.decode, tok.markers(d.stop_token_ids), tail, family=tok.family) for d in details
     ]
     if json_out:
         documents = [v.document() for v in views]
         emit_json(documents[0] if single else {"run": run.name, "samples": documents})
         return
     out = console()
-    think_end = vocab.token(run.think_end_id, THINK_END)
+    think_end = tok.token(run.think_end_id, THINK_END)
     for v in views:
         out.print(render(v, think_end), highlight=False)
 
@@ -215,26 +221,6 @@ def _datasets(run: StatsRun, wanted: list[str]) -> tuple[str, ...]:
                 f"run {run.name!r} has no dataset {name!r} (it has: {', '.join(have) or 'none'})"
             )
     return tuple(dict.fromkeys(wanted)) if wanted else tuple(have)
-
-
-def _vocabulary(run: StatsRun, override: Path | None, trust_remote_code: bool) -> Vocabulary:
-    """The run's tokenizer, checked to be the one its ids were made with (by size)."""
-    from eaglegen.report.stats import Vocabulary
-
-    path = override or Path(run.tokenizer_path)
-    if not path.is_dir():
-        raise ValueError(
-            f"the tokenizer of run {run.name!r} ({path}) is not on this machine: "
-            "pass --tokenizer PATH, a copy of the same tokenizer"
-        )
-    vocab = Vocabulary.load(str(path), trust_remote_code=trust_remote_code)
-    size = len(vocab.tokenizer)
-    if run.vocab_size is not None and size != run.vocab_size:
-        raise ValueError(
-            f"the tokenizer at {path} has {size:,} tokens, the run's had {run.vocab_size:,}: "
-            "it is not the tokenizer the run was generated with"
-        )
-    return vocab
 
 
 @contextmanager

@@ -22,6 +22,8 @@ HISTOGRAM_BINS = 40
 TRUNCATION_WARNING = 0.01
 # Job ids kept per kind of problem, for `eaglegen show`.
 EXAMPLES = 5
+# What the report says of the tool calls of a family whose calls it cannot read.
+NOT_CHECKED = "not checked"
 
 
 def bin_width(largest: float | None, bins: int = HISTOGRAM_BINS) -> int:
@@ -142,7 +144,9 @@ class TokenChecks:
     sample: int | None  # the seeded sample's size; None: every generation
     seed: int
     checked: int
-    tool_markers: bool  # False: the tokenizer has no tool-call tokens, nothing to check
+    # False: the run's family's calls cannot be read (an unknown family, or a vocabulary
+    # without its call tokens): tool calls were not checked.
+    tool_markers: bool
 
     def document(self) -> dict[str, Any]:
         """The JSON form."""
@@ -164,7 +168,8 @@ class Figures:
     sql: Aggregate
     finishes: dict[str, int]
     histogram: Histogram
-    tools: ToolFigures | None
+    tools: ToolFigures | None  # None: nothing to check, or not checked (below)
+    calls_checked: bool = True  # False: the family's calls are not read ("not checked")
 
     @property
     def truncated_share(self) -> float | None:
@@ -199,8 +204,15 @@ class Figures:
                 "generations_with_hits": a.cache_hits,
             },
             "latency_s": {"mean": a.latency_mean, **_spread(a.latency)},
-            "tool_calls": None if self.tools is None else self.tools.document(),
+            "tool_calls": self._tool_calls(),
         }
+
+    def _tool_calls(self) -> dict[str, Any] | str | None:
+        """The tool-call figures; "not checked" for a family whose calls are not read
+        (never 0 calls, nor null as if there were none)."""
+        if not self.calls_checked:
+            return NOT_CHECKED
+        return None if self.tools is None else self.tools.document()
 
 
 def _spread(s: Spread) -> dict[str, float | None]:
@@ -239,6 +251,7 @@ class Report:
     total: Figures
     checks: TokenChecks | None  # None: no generation to check
     points: tuple[tuple[str, int, int], ...] = ()  # (dataset, prompt, completion) sample
+    family: str | None = None  # the run's model family (core.families); None: not told
 
     @property
     def warnings(self) -> list[str]:
@@ -249,6 +262,7 @@ class Report:
         """The ``eaglegen stats --json`` document."""
         return {
             "run": self.run,
+            "family": self.family,
             "warnings": self.warnings,
             "datasets": [f.document() for f in self.datasets],
             "total": self.total.document(),

@@ -14,8 +14,9 @@ from rich.constrain import Constrain
 from rich.rule import Rule
 from rich.text import Text
 
-from core.anatomy import Markers, dissect, parse_calls
-from eaglegen.report.quality import declared_names
+from core.anatomy import Markers
+from core.families import KIMI_K2, Family
+from eaglegen.report.quality import NOT_CHECKED, declared_names
 from eaglegen.report.text import visible
 from models.stats import Detail
 
@@ -59,11 +60,15 @@ class SampleView:
     sections_balanced: bool
     stray: str
     stop: str | None
+    family: str = KIMI_K2.name  # the run's model family (core.families)
+    calls_checked: bool = True  # False: its calls are not read, and stay in the answer
 
     def document(self) -> dict[str, Any]:
-        """The JSON form."""
+        """The JSON form: ``tool_calls`` is "not checked" where the family's calls are not
+        read (never an empty list, as if there were none)."""
         body = asdict(self)
-        body["tool_calls"] = [asdict(c) for c in self.tool_calls]
+        calls = [asdict(c) for c in self.tool_calls]
+        body["tool_calls"] = calls if self.calls_checked else NOT_CHECKED
         return body
 
 
@@ -72,12 +77,15 @@ def view(
     decode: Callable[[Sequence[int]], str],
     markers: Markers,
     tail: int = PROMPT_TAIL,
+    *,
+    family: Family = KIMI_K2,
 ) -> SampleView:
-    """Decode ``detail``'s prompt tail and output; ``markers`` carry the run's tokens."""
+    """Decode ``detail``'s prompt tail and output, cut by the run's ``family`` (``markers``:
+    its tokens, with the dataset's stored stop ids)."""
     prompt = detail.input_ids[-tail:] if tail > 0 else []
     output = detail.output_ids or []
-    anatomy = dissect(output, markers, opens_reasoning=detail.opens_reasoning)
-    calls = parse_calls(anatomy, decode, declared_names(detail.tools))
+    anatomy = family.dissect(output, markers, opens_reasoning=detail.opens_reasoning)
+    calls = family.parse_calls(anatomy, decode, declared_names(detail.tools))
     return SampleView(
         job_id=detail.job_id,
         run=detail.run,
@@ -99,6 +107,8 @@ def view(
         sections_balanced=anatomy.sections_balanced,
         stray=decode(anatomy.stray),
         stop=None if anatomy.stop is None else decode([anatomy.stop]),
+        family=family.name,
+        calls_checked=anatomy.calls_checked,
     )
 
 
@@ -114,8 +124,9 @@ def _heading(label: str, detail: str = "") -> Text:
 
 def render(v: SampleView, think_end: str) -> Group:
     """The view as rich renderables."""
-    title = f"job {v.job_id} · dataset {v.dataset} · run {v.run} · {v.state}" + (
-        f" · finish {v.finish_type} · {v.completion_tokens:,} tokens" if v.generated else ""
+    title = (
+        f"job {v.job_id} · dataset {v.dataset} · run {v.run} · family {v.family} · {v.state}"
+        + (f" · finish {v.finish_type} · {v.completion_tokens:,} tokens" if v.generated else "")
     )
     heading = visible(title)
     parts: list[Any] = [
@@ -137,7 +148,9 @@ def render(v: SampleView, think_end: str) -> Group:
             )
         )
     parts += [_heading("answer", f"({v.answer_tokens:,} tokens)"), block(v.answer or "")]
-    if v.tool_calls or not v.sections_balanced:
+    if not v.calls_checked:
+        parts.append(_heading("tool calls", f"not checked (family {v.family}: not read)"))
+    elif v.tool_calls or not v.sections_balanced:
         parts += _calls(v)
     if v.stray:
         parts += [_heading("inside a section, outside any call"), block(v.stray)]

@@ -3,17 +3,17 @@ generations that hold tool-call tokens) and showing it as terminal tables."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from core.anatomy import THINK_END, Markers, dissect, markers_from_vocab, parse_calls
-from core.tokenizer import exact_decoder, load_tokenizer
+from core.anatomy import THINK_END
+from core.tokenizer import RunTokenizer
 from eaglegen.report.quality import (
     Figures,
     Report,
@@ -36,31 +36,30 @@ SCATTER_POINTS = 3000
 _BARS = "▁▂▃▄▅▆▇█"
 
 
-class Vocabulary:
-    """The run's tokenizer as the report uses it: its special tokens and a decoder that
-    shows them (special tokens are what the checks are about)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._decode = exact_decoder(tokenizer)
-        self._markers = markers_from_vocab(tokenizer.get_vocab())
-
-    @classmethod
-    def load(cls, path: str, *, trust_remote_code: bool = False) -> Vocabulary:
-        """The tokenizer saved at ``path`` (this machine's files only)."""
-        return cls(load_tokenizer(path, trust_remote_code=trust_remote_code))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """``ids`` as text, special tokens written out."""
-        return self._decode(list(ids))
-
-    def markers(self, stops: Sequence[int] = ()) -> Markers:
-        """The structure tokens, with ``stops`` as the ids that end a generation."""
-        return dataclasses.replace(self._markers, stops=frozenset(stops))
-
-    def token(self, token_id: int | None, default: str) -> str:
-        """How one id reads (``default`` for None)."""
-        return default if token_id is None else self.decode([token_id])
+def run_tokenizer(
+    run: StatsRun, override: Path | None = None, *, trust_remote_code: bool = False
+) -> RunTokenizer:
+    """The run's tokenizer (``override``: a copy of it elsewhere), read in the run's family,
+    checked to be the one its ids were made with (by size)."""
+    path = override or Path(run.tokenizer_path)
+    if not path.is_dir():
+        raise ValueError(
+            f"the tokenizer of run {run.name!r} ({path}) is not on this machine: "
+            "pass --tokenizer PATH, a copy of the same tokenizer"
+        )
+    tokenizer = RunTokenizer(
+        path,
+        trust_remote_code=trust_remote_code,
+        template_kwargs=run.chat_template_kwargs,
+        family=run.family,
+    )
+    size = tokenizer.vocab_size()
+    if run.vocab_size is not None and size != run.vocab_size:
+        raise ValueError(
+            f"the tokenizer at {path} has {size:,} tokens, the run's had {run.vocab_size:,}: "
+            "it is not the tokenizer the run was generated with"
+        )
+    return tokenizer
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ def collect(
     queries: StatsQueries,
     run: StatsRun,
     scope: Scope,
-    vocab: Vocabulary,
+    tokenizer: RunTokenizer,
     progress: Callable[[int], None] = lambda n: None,
 ) -> Report:
     """The report of ``run``; ``progress`` is called per generation the checks dissect."""
@@ -88,7 +87,8 @@ def collect(
     widths = {n: bin_width(a.completion.max) for n, a in aggregates.items()}
     histograms = queries.histograms(run.id, widths, bin_width(total.completion.max))
     finishes = queries.finishes(run.id, names)
-    checks, tools = _tool_checks(queries, run, scope, vocab, total.generations, progress)
+    checks, tools = _tool_checks(queries, run, scope, tokenizer, total.generations, progress)
+    checked = tokenizer.markers().calls_checked
     params = {d.name: d for d in run.datasets}
     figures = tuple(
         Figures(
@@ -99,6 +99,7 @@ def collect(
             finishes=finishes.get(n, {}),
             histogram=histograms[n],
             tools=tools.get(n),
+            calls_checked=checked,
         )
         for n in names
     )
@@ -110,15 +111,17 @@ def collect(
         finishes=finishes.get(None, {}),
         histogram=histograms[None],
         tools=total_tools(f.tools for f in figures),
+        calls_checked=checked,
     )
     points = queries.points(run.id, names, SCATTER_POINTS, scope.seed) if total.generations else []
     return Report(
         run=run.name,
-        think_end=vocab.token(run.think_end_id, THINK_END),
+        think_end=tokenizer.token(run.think_end_id, THINK_END),
         datasets=figures,
         total=run_figures,
         checks=checks,
         points=tuple(points),
+        family=tokenizer.family.name,
     )
 
 
@@ -126,28 +129,29 @@ def _tool_checks(
     queries: StatsQueries,
     run: StatsRun,
     scope: Scope,
-    vocab: Vocabulary,
+    tokenizer: RunTokenizer,
     generations: int,
     progress: Callable[[int], None],
 ) -> tuple[TokenChecks | None, dict[str, ToolFigures]]:
-    """Dissect every generation (of the sample) that holds a tool-call token."""
+    """Read every generation (of the sample) that holds one of its family's call tokens,
+    cut at its dataset's stored stop ids."""
     if not generations:
         return None, {}
-    base = vocab.markers()
-    wanted = [base.section_begin, base.section_end, base.call_begin]
-    marker_ids = [m for m in wanted if m is not None]
-    if not marker_ids:
+    marker_ids = sorted(tokenizer.markers().call_ids)
+    if not marker_ids:  # the family's calls are not read: not checked, said so
         return TokenChecks(scope.sample, scope.seed, 0, tool_markers=False), {}
-    stops = {d.name: vocab.markers(d.stop_token_ids) for d in run.datasets}
+    stops = {d.name: d.stop_token_ids for d in run.datasets}
     tally = ToolTally()
     sample, seed = scope.sample, scope.seed
     with queries.tool_rows(run.id, scope.datasets, marker_ids, sample, seed) as rows:
         for row in rows:
-            anatomy = dissect(
-                row.output_ids, stops[row.dataset], opens_reasoning=row.opens_reasoning
+            read = tokenizer.read(
+                row.output_ids,
+                stops[row.dataset],
+                opens_reasoning=row.opens_reasoning,
+                declared=declared_names(row.tools),
             )
-            calls = parse_calls(anatomy, vocab.decode, declared_names(row.tools))
-            tally.add(row.dataset, row.job_id, anatomy, calls, row.finish_type)
+            tally.add(row.dataset, row.job_id, read.anatomy, read.calls, row.finish_type)
             progress(1)
     scoped = queries.tool_scope(run.id, scope.datasets, sample, seed)
     figures = {n: tally.figures(n, scoped[n]) for n in scope.datasets if n in scoped}
@@ -320,11 +324,14 @@ def coverage(report: Report) -> str:
     jobs = sum(report.total.jobs.values())
     if not total:
         states = ", ".join(f"{k} {v:,}" for k, v in report.total.jobs.items()) or "none"
-        return f"run {report.run}: no generations yet ({jobs:,} jobs: {states})"
+        family = "" if report.family is None else f"; family {report.family}"
+        return f"run {report.run}: no generations yet ({jobs:,} jobs: {states}){family}"
     head = f"run {report.run}: {total:,} generations of {jobs:,} jobs"
+    if report.family is not None:
+        head += f"; family {report.family}"
     checks = report.checks
     if checks is None or not checks.tool_markers:
-        return f"{head}; the tokenizer has no tool-call tokens, so no tool-call checks"
+        return f"{head} — tool calls not checked"
     if checks.sample is None:
         return f"{head}; tool calls checked in every generation"
     return (

@@ -167,6 +167,7 @@ def _run_doc(run: str, snapshot: StatusSnapshot) -> dict[str, Any]:
     return {
         "run": run,
         "order_seed": snapshot.order_seeds.get(run),
+        "family": snapshot.families.get(run),
         "jobs": totals(of_run),
         "prompt_tokens": sum(d.done_prompt_tokens for d in of_run),
         "completion_tokens": sum(d.done_completion_tokens for d in of_run),
@@ -292,12 +293,22 @@ def _limit_cell(server: dict[str, Any]) -> str:
     return f"adaptive: {reason}" if reason else "adaptive"
 
 
+def _family_text(family: str | None) -> str:
+    """The run's model family as the header says it; an unknown one plainly."""
+    if family is None:  # a run from before families were recorded: its readers detect it
+        return "family not recorded; "
+    if family == "unknown":
+        return "family unknown (tool calls not checked); "
+    return f"family {visible(family)}; "
+
+
 def _run_line(run: dict[str, Any]) -> Text:
     jobs = run["jobs"]
     line = Text()
     line.append(f"run {visible(run['run'])}: ", style="bold")
     if run["order_seed"] is not None:
         line.append(f"order seed {run['order_seed']}; ")
+    line.append(_family_text(run.get("family")))
     line.append(
         f"{jobs['done']:,} of {jobs['total']:,} jobs done, {jobs['failed']:,} failed, "
         f"{jobs['skipped_budget']:,} skipped; {_rate(run, '10m')} tok/s over {_span(run)}; "

@@ -21,7 +21,7 @@ from exporter.rows import INVALID, NOT_EXACT, TRUNCATED, Filters
 from exporter.writers import JSONL, PARQUET
 from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
 from models.repository import Repository
-from tests.helpers import InspectRepository, sample_rows
+from tests.helpers import InspectRepository, family_tokenizer, sample_rows
 from tests.integration.test_export import generate, parquet_rows, shard_files
 
 TOOLS = [
@@ -92,7 +92,9 @@ def record_rows(repo: Repository, tokenizer_dir: Path, prompt_dir: Path = TOKENI
     run_id = repo.ensure_run(
         RunSpec("run", str(tokenizer_dir), "a" * 64, "b" * 64, "tiny", think_end_id=None)
     )
-    dataset_id = repo.ensure_dataset(run_id, DatasetSpec("d", "x", {"max_new_tokens": 99}))
+    # The stop ids as enqueue stores them (the bundled tokenizer's eos, <|im_end|>).
+    params = {"max_new_tokens": 99, "stop_token_ids": [tok.eos_token_id]}
+    dataset_id = repo.ensure_dataset(run_id, DatasetSpec("d", "x", params))
     jobs, outputs = [], []
     for i, (text, tools, output, finish) in enumerate(ROWS):
         messages = [{"role": "user", "content": text}]
@@ -149,6 +151,8 @@ def test_conversations_decode_reasoning_answer_and_calls_and_round_trip_exactly(
         assert row["metadata"]["roundtrip_exact"] == (index in VALID)
     trips = manifest["roundtrip"]["d"]
     assert (trips["checked"], trips["exact"], trips["differs_in"]["output"]) == (5, 3, 2)
+    # Kimi's template writes nothing after <|im_end|>: exact, not up to a suffix.
+    assert (trips["exact_up_to_turn_suffix"], trips["turn_suffix"]) == (0, None)
     assert result.roundtrip is not None and result.roundtrip.datasets["d"].exact == 3
 
 
@@ -197,6 +201,110 @@ def test_a_template_that_strips_reasoning_is_flagged_and_require_exact_drops_its
     strict = Filters(exclude_truncated=True, require_exact=True)
     dropped = export(repo, tmp_path / "strict", filters=strict).manifest
     assert dropped["rows"] == 0 and dropped["counts"]["d"]["removed"][NOT_EXACT] == 5
+
+
+# (user text, output text as the model writes it after the generation prompt, finish).
+Generated = tuple[str, str, str]
+
+
+def record_family(
+    repo: Repository,
+    folder: Path,
+    rows: list[Generated],
+    *,
+    stop: str,
+    opens_reasoning: bool,
+    **template_kwargs: Any,
+) -> None:
+    """Run "run" on the family tokenizer ``folder`` with a dataset "d" of ``rows``: each prompt
+    templated by its own template, each output the tokenizer's ids of its text, recorded as a
+    worker records a generation; ``stop``: the model's eos, which ends them."""
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    eos = tok.convert_tokens_to_ids(stop)
+    # The model's eos as enqueue stores it: generation_config and the dataset's stop ids.
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    spec = RunSpec("run", str(folder), "a" * 64, "b" * 64, "tiny", dict(template_kwargs))
+    run_id = repo.ensure_run(spec)
+    params = {"max_new_tokens": 99, "stop_token_ids": [eos]}
+    dataset_id = repo.ensure_dataset(run_id, DatasetSpec("d", "x", params))
+    jobs, outputs = [], []
+    for i, (text, output, finish) in enumerate(rows):
+        messages = [{"role": "user", "content": text}]
+        prompt = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **template_kwargs
+        )
+        ids = tok.backend_tokenizer.encode(prompt, add_special_tokens=False).ids
+        jobs.append(NewJob(i, ids, {"messages": messages, "tools": None}, opens_reasoning))
+        outputs.append((tok.backend_tokenizer.encode(output, add_special_tokens=False).ids, finish))
+    for job_id, job, (ids, finish) in zip(
+        repo.insert_jobs(dataset_id, jobs), jobs, outputs, strict=True
+    ):
+        assert repo.claim(job_id, "w", lease_seconds=60).job is not None
+        record = GenerationRecord(ids, finish, None, len(job.input_ids), len(ids), 0, 0.1, "sim")
+        assert repo.record(job_id, "w", record)
+
+
+DS_EOS = "<\uff5cend\u2581of\u2581sentence\uff5c>"  # DeepSeek's eos, spelled with U+FF5C
+QWEN3_ROWS: list[Generated] = [
+    ("Name a planet.", "<think>\nAny will do.\n</think>\n\nSaturn.<|im_end|>", "stop"),
+    ("And a moon?", "<think>\nTitan is one.\n</think>\n\nTitan.<|im_end|>", "stop"),
+    ("Say hi.", "<think>\nEasy.\n</think>\n\nHi!<|im_end|>", "stop"),
+]
+
+
+def test_qwen3_rows_are_exact_up_to_the_newline_its_template_writes_after_im_end(
+    repo: InspectRepository, tmp_path: Path
+) -> None:
+    """Qwen3's template ends every turn with <|im_end|> then a newline; the model stops at
+    <|im_end|>. Each row is the re-rendered ids but that newline: exact up to the template's
+    turn suffix, counted apart, and kept by --require-exact (it used to drop all of them)."""
+    folder = family_tokenizer(tmp_path, "qwen3")
+    record_family(repo, folder, QWEN3_ROWS, stop="<|im_end|>", opens_reasoning=False)
+    strict = Filters(exclude_truncated=True, require_exact=True)
+    manifest = export(repo, tmp_path / "out", filters=strict).manifest
+    trips = manifest["roundtrip"]["d"]
+    assert (trips["checked"], trips["exact"], trips["exact_up_to_turn_suffix"]) == (3, 3, 3)
+    assert trips["turn_suffix"] == "\n" and trips["examples"] == []
+    assert manifest["rows"] == 3 and manifest["counts"]["d"]["removed"][NOT_EXACT] == 0
+    rows = lines(tmp_path / "out", manifest)
+    assert all(row["metadata"]["roundtrip_exact"] for row in rows)
+    assert {row["conversations"][-1]["content"].split("\n")[-1] for row in rows} == {
+        "Saturn.",
+        "Titan.",
+        "Hi!",
+    }
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs", "output"),
+    [
+        # R1's generation prompt opens <think>; its template writes no reasoning back.
+        ("deepseek_r1", {}, f"Any will do.\n</think>\n\nSaturn.{DS_EOS}"),
+        # V3.1 thinking: the prompt ends <think>, the template writes </think> after the
+        # assistant tag instead, dropping the reasoning.
+        ("deepseek_v31", {"thinking": True}, f"Any will do.</think>Saturn.{DS_EOS}"),
+    ],
+)
+def test_a_template_that_drops_the_last_turn_s_reasoning_is_reported_where_it_differs(
+    family: str, kwargs: dict[str, Any], output: str, repo: InspectRepository, tmp_path: Path
+) -> None:
+    folder = family_tokenizer(tmp_path, family, structure=True)
+    rows = [("Name a planet.", output, "stop")]
+    record_family(repo, folder, rows, stop=DS_EOS, opens_reasoning=True, **kwargs)
+    manifest = export(repo, tmp_path / "out", filters=Filters(exclude_truncated=True)).manifest
+    trips = manifest["roundtrip"]["d"]
+    assert (trips["checked"], trips["exact"], trips["exact_up_to_turn_suffix"]) == (1, 0, 0)
+    [example] = trips["examples"]
+    job = repo.job(example["id"])
+    assert job is not None
+    # The first difference is the <think> the generation prompt opened, which the
+    # re-rendered conversation has not.
+    think = AutoTokenizer.from_pretrained(str(folder)).convert_tokens_to_ids("<think>")
+    assert example["position"] == job["input_ids"].index(think) and example["part"] == "prompt"
+    assert "<think>" in example["recorded"] and "Any will do." in example["recorded"]
+    assert "Any will do." not in example["rendered"]
+    strict = Filters(exclude_truncated=True, require_exact=True)
+    assert export(repo, tmp_path / "strict", filters=strict).manifest["rows"] == 0
 
 
 def test_simulated_generations_decode_with_and_without_calls(

@@ -22,7 +22,7 @@ from eaglegen.assets import TOKENIZER_DIR, special_ids
 from eaglegen.report import html
 from eaglegen.report.plots import prompt_vs_completion
 from eaglegen.report.quality import Report
-from eaglegen.report.stats import Scope, Vocabulary, collect
+from eaglegen.report.stats import Scope, collect, run_tokenizer
 from eaglegen.sim import FaultConfig, SimConfig, SimServer
 from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
 from models.repository import Repository
@@ -64,8 +64,8 @@ def collected(engine: Engine, run: str = "run", **scope: Any) -> Report:
     found = queries.stats_run(run)
     assert found is not None
     names = tuple(d.name for d in found.datasets)
-    vocab = Vocabulary.load(str(TOKENIZER_DIR))
-    return collect(queries, found, Scope(names, **{"sample": None, **scope}), vocab)
+    tokenizer = run_tokenizer(found)  # the run's own: its recorded path and family
+    return collect(queries, found, Scope(names, **{"sample": None, **scope}), tokenizer)
 
 
 def report(engine: Engine, run: str = "run", **scope: Any) -> dict[str, Any]:

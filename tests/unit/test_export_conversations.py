@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
 from core.anatomy import Markers
 from exporter.conversations import MODELOPT, SPECFORGE, Prompt, decode_turn, document
-from exporter.roundtrip import OUTPUT, PROMPT, Check, RoundTrips, check, failed, first_difference
+from exporter.roundtrip import (
+    OUTPUT,
+    PROBE,
+    PROMPT,
+    Check,
+    DatasetRoundTrip,
+    RoundTrips,
+    check,
+    failed,
+    first_difference,
+    turn_end,
+)
 from exporter.shaping import json_line
 
 END, SB, SE, CB, AB, CE, STOP = 10, 11, 12, 13, 14, 15, 2
@@ -149,6 +161,105 @@ def test_the_tally_counts_per_dataset_and_keeps_few_examples() -> None:
     )
     merged = RoundTrips.from_document(doc).merged(trips).document()
     assert merged["a"]["checked"] == 12 and merged["a"]["exact_rate"] == round(2 / 12, 4)
+
+
+# What a ChatML template writes after an assistant message: its stop token, then a newline
+# (NL: ord("\n") is END in the toy vocabulary).
+NL = 16
+NAMES[NL] = "\n"
+CHATML_END = (STOP, NL)
+
+
+def test_a_template_s_turn_suffix_after_the_stop_token_is_exact_up_to_it() -> None:
+    recorded = encode("P>ok<E>")
+    rendered = "P>ok<E>\n"
+    assert check(recorded, 2, rendered, encode, decode, end_of_turn=CHATML_END) == Check(
+        exact=True, turn_suffix="\n"
+    )
+    # Without the template's end of turn (a bare encoder renders no probe): it differs after
+    # the recorded output, as before.
+    plain = check(recorded, 2, rendered, encode, decode)
+    assert (plain.exact, plain.position, plain.part) == (False, len(recorded), OUTPUT)
+
+
+@pytest.mark.parametrize(
+    ("recorded", "rendered"),
+    [
+        ("P>ok", "P>ok<E>\n"),  # no stop token: the template ends a turn the model did not
+        ("P>ok<E>", "P>ok<E>\n\n"),  # more than the template's suffix
+        ("P>ok<E>", "P>ok<E>x"),  # other than it
+        ("P>", "P><E>\n"),  # nothing generated: the whole turn is the template's
+    ],
+)
+def test_only_the_template_s_own_suffix_after_a_stop_is_let_through(
+    recorded: str, rendered: str
+) -> None:
+    result = check(encode(recorded), 2, rendered, encode, decode, end_of_turn=CHATML_END)
+    assert (result.exact, result.turn_suffix) == (False, None)
+    assert result.position == first_difference(encode(recorded), encode(rendered))
+
+
+class Templater:
+    """A tokenizer rendering as ChatML does: each message then ``<E>`` and a newline."""
+
+    def __init__(self, end: str = "<E>\n", fail: bool = False) -> None:
+        self.end, self.fail, self.probes = end, fail, 0
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        self.probes += messages == PROBE
+        if self.fail:
+            raise ValueError("this template wants a system message")
+        return "".join(f"<{m['role']}>{m['content']}{self.end}" for m in messages)
+
+    def encode(self, text: str) -> list[int]:
+        return encode(text)
+
+
+def test_the_end_of_turn_is_probed_from_the_template() -> None:
+    chatml, kimi = Templater(), Templater(end="<E>")
+    assert turn_end(chatml) == CHATML_END and turn_end(kimi) == (STOP,)
+    assert chatml.probes == 1
+    assert turn_end(Templater(fail=True)) == ()
+    recorded = encode("<user>hi<E>\n<assistant>ok<E>")
+    rendered = decode(recorded) + "\n"
+    assert check(recorded, 6, rendered, encode, decode, end_of_turn=CHATML_END).turn_suffix == "\n"
+    # A template that writes nothing after the stop: exact only when the ids are.
+    assert not check(recorded, 6, rendered, encode, decode, end_of_turn=(STOP,)).exact
+    assert check(recorded, 6, decode(recorded), encode, decode, end_of_turn=(STOP,)) == Check(
+        exact=True
+    )
+
+
+def test_a_stop_the_template_does_not_write_is_exact_but_for_it() -> None:
+    # GLM-4.5: the model ends its turn with the next turn's token, the template writes none.
+    recorded = encode("P>ok<E>")
+    result = check(recorded, 2, "P>ok", encode, decode, stops={STOP})
+    assert result == Check(exact=True, unrendered_stop="<E>")
+    # Not one of the run's stops, or more than one id missing: a difference as before.
+    assert not check(recorded, 2, "P>ok", encode, decode, stops={NL}).exact
+    assert not check(recorded, 2, "P>o", encode, decode, stops={STOP}).exact
+    trips = RoundTrips()
+    trips.add("g", 1, result)
+    doc = trips.document()["g"]
+    assert (doc["exact"], doc["exact_but_unrendered_stop"], doc["unrendered_stop"]) == (
+        1,
+        1,
+        "<E>",
+    )
+
+
+def test_suffix_exact_rows_are_counted_apart_and_merged_with_older_manifests() -> None:
+    trips = RoundTrips()
+    trips.add("q", 1, Check(exact=True, turn_suffix="\n"))
+    trips.add("q", 2, Check(exact=True))
+    trips.add("q", 3, Check(exact=False, text_equal=False, position=9, part=OUTPUT))
+    doc = trips.document()["q"]
+    assert (doc["checked"], doc["exact"], doc["exact_up_to_turn_suffix"]) == (3, 2, 1)
+    assert doc["turn_suffix"] == "\n" and doc["exact_rate"] == round(2 / 3, 4)
+    older = {k: v for k, v in doc.items() if k not in ("exact_up_to_turn_suffix", "turn_suffix")}
+    merged = RoundTrips.from_document({"q": older}).merged(trips).document()["q"]
+    assert (merged["checked"], merged["exact"], merged["exact_up_to_turn_suffix"]) == (6, 4, 1)
+    assert DatasetRoundTrip.from_document(doc).document() == doc
 
 
 def test_a_line_keeps_integers_beyond_64_bits_and_lone_surrogates_exactly() -> None:

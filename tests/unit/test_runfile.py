@@ -139,3 +139,33 @@ def test_flags_without_run_say_what_is_missing(tmp_path: Path) -> None:
 def test_template_kwargs_need_a_name() -> None:
     with pytest.raises(ValueError, match="NAME=VALUE"):
         parse_template_kwargs(["=1"])
+
+
+def test_a_run_file_may_name_the_model_family_by_name_or_alias(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('family = "hermes"\n' + RUN_FILE)
+    assert plan_from_run_file(load_run_file(path)).family == "qwen3"
+    path.write_text(RUN_FILE)
+    assert plan_from_run_file(load_run_file(path)).family is None  # detected at enqueue
+    flags = plan_from_flags(
+        tmp_path / "d.jsonl", run="r", dataset="d", tokenizer=tmp_path, sampling={}, family="glm45"
+    )
+    assert flags.family == "glm45"
+
+
+def test_an_unknown_family_is_refused_naming_the_known_ones(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('family = "llama"\n' + RUN_FILE)
+    with pytest.raises(ValueError, match=r"family: .*unknown model family 'llama'.*qwen3"):
+        load_run_file(path)
+
+
+def test_the_plan_tells_whether_the_run_file_names_its_stop_ids(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(RUN_FILE.replace("temperature = 1.0", "stop_token_ids = [4]"))
+    plan = plan_from_run_file(load_run_file(path))
+    assert all(plan.names_stop_ids(d) for d in plan.datasets)
+    assert plan.sampling_params(plan.datasets[0], [7, 8])["stop_token_ids"] == [4]
+    path.write_text(RUN_FILE)
+    plan = plan_from_run_file(load_run_file(path))
+    assert not any(plan.names_stop_ids(d) for d in plan.datasets)
