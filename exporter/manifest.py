@@ -225,6 +225,8 @@ def manifest_document(
             "chat_template_sha256": run.chat_template_sha256,
             "chat_template_kwargs": run.chat_template_kwargs,
             "think_end_id": run.think_end_id,
+            # The model family whose layout the rows were read by (None: detected, not recorded).
+            "family": run.family,
             "template_matches_run": template_matches_run,
         },
         "sampling": {name: params for name, params in sorted(run.sampling.items())},
