@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from eaglegen.cli.base import command, err
+from eaglegen.report.text import inline
 
 app = typer.Typer()
 
@@ -40,7 +42,13 @@ def sim(
     max_output_tokens: Annotated[int | None, Opt(help="Longest natural output")] = None,
     model_path: Annotated[str | None, Opt(help="Model name reported")] = None,
     seed: Annotated[int | None, Opt(help="Default sampling seed")] = None,
-    tokenizer: Annotated[Path | None, Opt(help="Tokenizer folder")] = None,
+    tokenizer: Annotated[
+        Path | None, Opt(help="Tokenizer folder (with tokenizer.json) whose ids to speak")
+    ] = None,
+    family: Annotated[
+        str | None,
+        Opt(help="Model family of the outputs' layout (default: detected from the tokenizer)"),
+    ] = None,
     decode_step_ms: Annotated[float | None, Opt(help="Decode step base time")] = None,
     decode_ms_per_request: Annotated[float | None, Opt(help="Added per running request")] = None,
     prefill_tokens_per_ms: Annotated[float | None, Opt(help="Prefill speed")] = None,
@@ -121,6 +129,7 @@ def sim(
         "model_path": model_path,
         "seed": seed,
         "tokenizer_dir": tokenizer,
+        "family": family,
         "decode_step_ms": decode_step_ms,
         "decode_ms_per_request": decode_ms_per_request,
         "prefill_tokens_per_ms": prefill_tokens_per_ms,
@@ -134,4 +143,22 @@ def sim(
     config = simulator.preset(preset, host=host, port=port, faults=faults, **overrides)
     if faults.any_enabled():
         err.print(f"injecting faults: {json.dumps(faults.to_json())}", highlight=False)
+    _warnings_as_lines()
     simulator.serve(config, on_ready=lambda url: err.print(f"simulator listening on {url}"))
+
+
+class _WarningLine(logging.Handler):
+    """The simulator's warnings (a tokenizer of no known family) as `warning: ...` lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = inline(record.getMessage())
+        err.print(f"warning: {text}", highlight=False, soft_wrap=True)
+
+
+def _warnings_as_lines() -> None:
+    """Show the server module's startup warnings (once, however often the command runs)."""
+    logger = logging.getLogger("eaglegen.sim.server")
+    if not any(isinstance(handler, _WarningLine) for handler in logger.handlers):
+        handler = _WarningLine()
+        handler.addFilter(lambda record: record.levelno == logging.WARNING)
+        logger.addHandler(handler)

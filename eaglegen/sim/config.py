@@ -226,6 +226,9 @@ class SimConfig:
     seed: int = 0
     # Directory holding tokenizer.json; None means the packaged tiny tokenizer.
     tokenizer_dir: Path | None = TOKENIZER_DIR
+    # The model family whose layout the outputs take (core.families' names); None detects
+    # it from the tokenizer's tokens and chat template.
+    family: str | None = None
     model_path: str = "eaglegen/sim-reasoner"
     # Decode step = base + per_request * running batch; with 64 running that is ~14 ms.
     decode_step_ms: float = 4.0

@@ -8,8 +8,8 @@ import random
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 # SGLang's SamplingParams default when a request leaves max_new_tokens out.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -50,6 +50,21 @@ class Vocab:
                 self.tool_call_end,
             }
         )
+
+    def ordinary(self) -> Sequence[int]:
+        """The ids of plain text."""
+        return range(self.ordinary_lo, self.ordinary_hi)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation by themselves."""
+        return (self.im_end,)
+
+    def frame(self, input_ids: Sequence[int], calls: Sequence[ToolCallTokens]) -> Frame:
+        """Kimi-K2's shape whatever the prompt: reasoning, think-end, answer, the calls' section,
+        im_end (what the bundled template's generation prompt, which opens the block, asks)."""
+        section = tuple(_tool_section(self, calls)) if calls else ()
+        broken = any(call.broken for call in calls)
+        return Frame(close=(self.think_end,), section=section, stop=self.im_end, broken=broken)
 
 
 @dataclass(frozen=True)
@@ -108,8 +123,9 @@ class Completion:
 
 @dataclass(frozen=True)
 class ToolCallTokens:
-    """One call of a tool-call section as token ids: its id (the template's
-    `functions.NAME:INDEX`) and its arguments (JSON text, unless broken on purpose)."""
+    """One call as token ids: its head, between the family's call-begin and argument marker
+    (Kimi's `functions.NAME:INDEX`; empty for a family without that marker), and the rest of
+    its body (the arguments as JSON text, unless broken on purpose)."""
 
     head: tuple[int, ...]
     arguments: tuple[int, ...]
@@ -121,18 +137,61 @@ ToolCaller = Callable[[random.Random], Sequence[ToolCallTokens]]
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """The shape of a natural output: reasoning and answer lengths, then a tool-call section."""
+class Frame:
+    """The structure ids a family writes around an output's two texts (reasoning, then
+    answer), for one prompt and the calls it makes."""
 
+    opening: tuple[int, ...] = ()  # before the reasoning: the model opening the block itself
+    close: tuple[int, ...] | None = ()  # after the reasoning; None: the output has none
+    section: tuple[int, ...] = ()  # after the answer: the calls
+    stop: int | None = None  # ends the turn; None: only the request's stop ids can
+    broken: bool = False  # a call written has arguments broken on purpose
+
+    def overhead(self) -> int:
+        """How many structure ids the output holds besides its texts."""
+        close = len(self.close or ())
+        return len(self.opening) + close + len(self.section) + (self.stop is not None)
+
+
+class Layout(Protocol):
+    """A family's way of writing an output in one vocabulary (`Vocab`: Kimi-K2's, the
+    bundled tokenizer's; `eaglegen.sim.layouts` for every family)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Every id below it is in the vocabulary; the simulator emits no other."""
+        ...
+
+    def ordinary(self) -> Sequence[int]:
+        """The ids of plain text (no special or added token among them)."""
+        ...
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation by themselves, the family's own turn end first."""
+        ...
+
+    def special_ids(self) -> frozenset[int]:
+        """The structure ids it writes (what the strip_special_tokens fault leaves out)."""
+        ...
+
+    def frame(self, input_ids: Sequence[int], calls: Sequence[ToolCallTokens]) -> Frame:
+        """The structure of the output to this prompt, with these calls (maybe none)."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The shape of a natural output: its frame and the lengths of its two texts."""
+
+    frame: Frame
     reasoning: int
     answer: int
-    section: list[int] = field(default_factory=list)
-    broken: bool = False
 
     @property
     def section_start(self) -> int:
         """Index of the section's first token in the output."""
-        return self.reasoning + 1 + self.answer
+        close = len(self.frame.close or ())
+        return len(self.frame.opening) + self.reasoning + close + self.answer
 
 
 def request_digest(input_ids: Sequence[int], seed: int) -> bytes:
@@ -151,25 +210,27 @@ def has_tool_call(input_ids: Sequence[int], seed: int) -> bool:
 def generate(
     input_ids: Sequence[int],
     sampling: Sampling,
-    vocab: Vocab,
+    vocab: Layout,
     shape: OutputShape,
     tools: ToolCaller | None = None,
 ) -> Completion:
     """Generate the deterministic output for a prompt, applying SGLang's finish rules.
 
-    tools writes the calls of a tool-call section; without it (the prompt declares no tools)
-    the output never calls one, as a model is not offered any.
+    vocab lays the output out in its family's structure; tools writes the calls of a
+    tool-call section; without it (the prompt declares no tools) the output never calls one,
+    as a model is not offered any.
     """
     digest = request_digest(input_ids, sampling.seed)
     rng = random.Random(int.from_bytes(digest, "big"))
-    stops = frozenset() if sampling.ignore_eos else sampling.stop_token_ids | {vocab.im_end}
+    stops = frozenset() if sampling.ignore_eos else sampling.stop_token_ids | set(vocab.stop_ids())
     limit = sampling.max_new_tokens
     out: list[int] = []
     if limit <= 0:
         return Completion(out, Finish("length", length=limit))
     calls = tools if digest[0] % TOOL_CALL_ONE_IN == 0 else None
-    plan = _plan(rng, vocab, shape, calls)
-    for token in _token_stream(rng, vocab, plan):
+    plan = _plan(rng, vocab, input_ids, shape, calls)
+    stop = final_stop(plan.frame.stop, vocab.stop_ids(), sampling)
+    for token in _token_stream(rng, vocab, plan, stop):
         out.append(token)
         # SGLang checks the length limit before stop tokens, so a stop token landing exactly
         # on max_new_tokens still reports "length".
@@ -182,30 +243,53 @@ def generate(
     else:  # pragma: no cover - the stream is endless
         raise AssertionError("token stream ended")
     # A cut before the section leaves no broken call in the output.
-    broken = plan.broken and len(out) > plan.section_start
+    broken = plan.frame.broken and len(out) > plan.section_start
     return Completion(out, finish, broken_tool_args=broken)
 
 
-def _token_stream(rng: random.Random, vocab: Vocab, plan: _Plan) -> Iterator[int]:
+def final_stop(natural: int | None, family: Sequence[int], sampling: Sampling) -> int | None:
+    """The id that ends the turn: the family's own, unless the request names other stop ids
+    (a run whose stop ids are not its family's, e.g. a test tokenizer's eos): then the first of
+    the family's stop ids it names, else the smallest it names."""
+    asked = sampling.stop_token_ids
+    if sampling.ignore_eos or not asked or natural in asked:
+        return natural
+    return next((token for token in family if token in asked), min(asked))
+
+
+def _token_stream(
+    rng: random.Random, vocab: Layout, plan: _Plan, stop: int | None
+) -> Iterator[int]:
     """The model's natural output, then ordinary tokens forever (what ignore_eos sees)."""
+    frame = plan.frame
+    yield from frame.opening
     yield from _ordinary(rng, vocab, plan.reasoning)
-    yield vocab.think_end
+    yield from frame.close or ()
     yield from _ordinary(rng, vocab, plan.answer)
-    yield from plan.section
-    yield vocab.im_end
+    yield from frame.section
+    if stop is not None:
+        yield stop
     while True:
         yield from _ordinary(rng, vocab, 256)
 
 
-def _plan(rng: random.Random, vocab: Vocab, shape: OutputShape, tools: ToolCaller | None) -> _Plan:
+def _plan(
+    rng: random.Random,
+    vocab: Layout,
+    input_ids: Sequence[int],
+    shape: OutputShape,
+    tools: ToolCaller | None,
+) -> _Plan:
     """Write the tool calls (if any) first, then fit reasoning and answer around them."""
     calls = list(tools(rng)) if tools is not None else []
-    section = _tool_section(vocab, calls) if calls else []
-    if len(section) + 4 > shape.max_tokens:
+    frame = vocab.frame(input_ids, calls)
+    if calls and frame.overhead() + 2 > shape.max_tokens:
         # A call longer than the longest output the model writes: it answers instead.
-        calls, section = [], []
-    reasoning, answer = _plan_lengths(rng, shape, 2 + len(section))
-    return _Plan(reasoning, answer, section, broken=any(call.broken for call in calls))
+        frame = vocab.frame(input_ids, [])
+    reasoning, answer = _plan_lengths(rng, shape, frame.overhead())
+    if frame.close is None:  # no reasoning: its share is answer (the same draws either way)
+        reasoning, answer = 0, reasoning + answer
+    return _Plan(frame, reasoning, answer)
 
 
 def _tool_section(vocab: Vocab, calls: Sequence[ToolCallTokens]) -> list[int]:
@@ -242,9 +326,9 @@ def stream_due(tokens: int, interval: int) -> bool:
     return tokens % interval == 1 if interval > 1 else True
 
 
-def _ordinary(rng: random.Random, vocab: Vocab, n: int) -> list[int]:
+def _ordinary(rng: random.Random, vocab: Layout, n: int) -> list[int]:
     """n ordinary (non-special) token ids."""
-    return rng.choices(range(vocab.ordinary_lo, vocab.ordinary_hi), k=n)
+    return rng.choices(vocab.ordinary(), k=n)
 
 
 def validate_lengths(prompt_tokens: int, max_new_tokens: int, context_length: int) -> str | None:

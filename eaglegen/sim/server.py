@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -43,8 +44,9 @@ from eaglegen.sim.streaming import (
     queue_full_stream,
     stream_response,
 )
-from eaglegen.sim.vocab import load_vocab
+from eaglegen.sim.voice import load_voice
 
+logger = logging.getLogger(__name__)
 SIM_VERSION = "0.1.0-eaglegen-sim"
 _FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
@@ -150,7 +152,7 @@ def _stream(
     options = StreamOptions(
         incremental=cfg.incremental_streaming_output,
         leak_prompt_tokens=decision.leak_prompt_tokens,
-        strip=service.vocab.special_ids() if decision.strip_special_tokens else frozenset(),
+        strip=service.layout.special_ids() if decision.strip_special_tokens else frozenset(),
         stall_after=service.faults.config.stall_after_chunks if stalled else None,
     )
     watches = service.stream(jobs, intervals)
@@ -189,7 +191,7 @@ def _results(
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """Response bodies for finished jobs: a dict, or a list for a batch."""
     latency = time.perf_counter() - started
-    specials = service.vocab.special_ids()
+    specials = service.layout.special_ids()
     bodies = []
     for item, job in zip(parsed.items, jobs, strict=True):
         if parsed.log_metrics:
@@ -298,6 +300,7 @@ def _sim_knobs(service: SimService) -> dict[str, Any]:
     """The simulator's own settings (not an SGLang key), for benchmarks and debugging."""
     knobs = asdict(service.config)
     knobs["tokenizer_dir"] = str(service.config.tokenizer_path)
+    knobs["family"] = service.voice.family  # the one detected, unless --family named it
     # The faults in force now, which POST /sim/faults may have changed since startup.
     knobs["faults"] = service.faults.config.to_json()
     return knobs
@@ -339,16 +342,19 @@ async def stats_endpoint(request: Request) -> Response:
 
 
 def create_app(config: SimConfig) -> Starlette:
-    """The simulator as an ASGI app; the tokenizer loads and the step loop starts at startup."""
-    tokenizer_json = config.tokenizer_path / "tokenizer.json"
-    if not tokenizer_json.is_file():
-        # Fail here, not inside uvicorn's lifespan where the cause would be swallowed.
-        raise FileNotFoundError(f"no tokenizer at {tokenizer_json}")
+    """The simulator as an ASGI app; the step loop starts at startup.
+
+    The tokenizer folder is read here, not inside uvicorn's lifespan where the cause of a
+    failure would be swallowed: what cannot be served raises FileNotFoundError or ValueError,
+    one line naming the folder; what deserves a warning (a family it does not know) is logged.
+    """
+    voice = load_voice(config.tokenizer_path, config.family)
+    if voice.warning is not None:
+        logger.warning("%s", voice.warning)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        vocab, tokenizer = load_vocab(config.tokenizer_path)
-        service = SimService(config, vocab, tokenizer)
+        service = SimService(config, voice)
         app.state.sim = service
         service.start()
         try:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import Receive
-from tokenizers import Tokenizer
 
 from eaglegen.sim import metrics
 from eaglegen.sim.config import SimConfig
@@ -24,7 +23,6 @@ from eaglegen.sim.engine import (
     Completion,
     OutputShape,
     ThroughputMeter,
-    Vocab,
     decode_seconds,
     generate,
     prefill_seconds,
@@ -33,7 +31,8 @@ from eaglegen.sim.engine import (
 from eaglegen.sim.faults import FaultInjector
 from eaglegen.sim.protocol import GenerateItem, Limits, ids_for_text
 from eaglegen.sim.scheduler import Job, RequestState, Scheduler
-from eaglegen.sim.tools import ToolCallWriter, ToolDeclarations
+from eaglegen.sim.tools import ToolCallWriter
+from eaglegen.sim.voice import Voice
 
 logger = logging.getLogger(__name__)
 # Falling further behind than this re-anchors the step clock instead of bursting to catch up.
@@ -81,22 +80,23 @@ class StreamWatch:
 class SimService:
     """Runtime state of one simulator: scheduler, tokenizer and the single step-driving task."""
 
-    def __init__(self, config: SimConfig, vocab: Vocab, tokenizer: Tokenizer) -> None:
+    def __init__(self, config: SimConfig, voice: Voice) -> None:
         """Build the engine; nothing runs until start()."""
         self.config = config
-        self.vocab = vocab
-        self.tokenizer = tokenizer
+        self.voice = voice
+        self.layout = voice.layout
+        self.tokenizer = voice.tokenizer
         self.shape = OutputShape(
             config.mean_output_tokens, config.max_output_tokens, config.output_length_sigma
         )
-        self.limits = Limits(vocab.vocab_size, config.context_length, config.kv_tokens, config.seed)
+        size = self.layout.vocab_size
+        self.limits = Limits(size, config.context_length, config.kv_tokens, config.seed)
         self.scheduler = Scheduler(config.scheduler_config())
         # Simulated seconds the steps took (before time_scale): the model's own clock.
         self.sim_seconds = 0.0
         self.meter = ThroughputMeter()
         self.e2e = metrics.Histogram()
         self.faults = FaultInjector(config.faults)
-        self.declarations = ToolDeclarations(tokenizer, vocab.im_end)
         self._futures: dict[int, asyncio.Future[None]] = {}
         self._watches: dict[int, StreamWatch] = {}
         self._wake = asyncio.Event()
@@ -212,12 +212,13 @@ class SimService:
 
     def make_job(self, item: GenerateItem, count_in_metrics: bool) -> Job:
         """Generate an item's output now; the scheduler decides when it is revealed."""
-        functions = self.declarations.functions(item.input_ids)
-        tools = None
-        if functions:
-            rate = self.faults.config.broken_tool_args_rate
-            tools = ToolCallWriter(functions, self.encode, rate)
-        completion = generate(item.input_ids, item.sampling, self.vocab, self.shape, tools)
+        voice, tools = self.voice, None
+        if voice.declarations is not None and voice.call_format is not None:
+            functions = voice.declarations.functions(item.input_ids)
+            if functions:
+                rate = self.faults.config.broken_tool_args_rate
+                tools = ToolCallWriter(functions, self.encode, rate, voice.call_format)
+        completion = generate(item.input_ids, item.sampling, self.layout, self.shape, tools)
         return Job(item.input_ids, completion, item.sampling.max_new_tokens, count_in_metrics)
 
     def encode(self, text: str) -> list[int]:

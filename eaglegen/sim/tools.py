@@ -1,12 +1,14 @@
-"""Tool calls for prompts that declare tools, in the bundled chat template's own format.
+"""Tool calls for prompts that declare tools, in the layout of the model's family.
 
-The template (Kimi-style, `eaglegen/assets/chat_template.jinja`) renders the declared tools as
-`<|im_system|>tool_declare<|im_middle|>[...tools as JSON...]<|im_end|>` and an assistant's
-calls as `<|tool_calls_section_begin|>` then, per call, `<|tool_call_begin|>functions.NAME:INDEX
-<|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>`, then `<|tool_calls_section_end|>`.
-The simulator reads the declarations back from the prompt's token ids and writes calls whose
-arguments are JSON filling a declared function's parameters schema, from the generation's
-seeded rng, so the same prompt and seed always call the same function the same way.
+The bundled chat template (Kimi-style, `eaglegen/assets/chat_template.jinja`) renders the
+declared tools as `<|im_system|>tool_declare<|im_middle|>[...tools as JSON...]<|im_end|>`, read
+back here by `ToolDeclarations`; other templates are read by `eaglegen.sim.declarations`.
+A call is written as its family writes it (`CallFormat`, one per `core.calls` syntax: Kimi's
+`functions.NAME:INDEX` head and JSON arguments, Qwen3's `{"name": ..., "arguments": ...}`,
+DeepSeek's fenced JSON, GLM's `<arg_key>`/`<arg_value>` pairs, harmony's recipient), and the
+family's tokens around it are laid out by `eaglegen.sim.layouts`. Arguments are JSON filling a
+declared function's parameters schema, from the generation's seeded rng, so the same prompt and
+seed always call the same function the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from core import calls as syntax
 from eaglegen.sim.engine import ToolCallTokens
 
 # The role the template gives the block that declares the tools.
@@ -110,6 +113,85 @@ def parse_functions(text: str) -> tuple[Function, ...]:
     return tuple(found)
 
 
+# How a call's text is written: (name, index in its section, arguments, the mistake when its
+# arguments are broken on purpose, else None) -> (head, body), the text either side of the
+# family's argument marker (all of it is body for a family without one).
+Args = Mapping[str, Any]
+CallWriter = Callable[[str, int, Args, int | None], tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How one family writes its calls' text (`core.calls` reads it back)."""
+
+    write: CallWriter
+    lead: str = ""  # text between the answer and the first call
+    between: str = ""  # text between two calls
+    single: bool = False  # one call per turn (harmony ends the turn at the call)
+    # The token ending a turn that calls tools, when not the family's usual stop.
+    turn_end: str | None = None
+
+
+def _json_arguments(arguments: Args, mistake: int | None) -> str:
+    text = json.dumps(arguments, ensure_ascii=False)
+    return text if mistake is None else broken_arguments(text, mistake)
+
+
+def _kimi(name: str, index: int, arguments: Args, mistake: int | None) -> tuple[str, str]:
+    return f"functions.{name}:{index}", _json_arguments(arguments, mistake)
+
+
+def _hermes(name: str, index: int, arguments: Args, mistake: int | None) -> tuple[str, str]:
+    # As Qwen3's template writes a call; broken arguments break the whole JSON body.
+    body = f'{{"name": "{name}", "arguments": {_json_arguments(arguments, mistake)}}}'
+    return "", f"\n{body}\n"
+
+
+def _deepseek_v3(name: str, index: int, arguments: Args, mistake: int | None) -> tuple[str, str]:
+    return "function", f"{name}\n```json\n{_json_arguments(arguments, mistake)}\n```"
+
+
+def _deepseek_v31(name: str, index: int, arguments: Args, mistake: int | None) -> tuple[str, str]:
+    return name, _json_arguments(arguments, mistake)
+
+
+def _glm(name: str, index: int, arguments: Args, mistake: int | None) -> tuple[str, str]:
+    # GLM-4.5's template: a string value as is, any other as JSON.
+    pairs = [
+        f"<arg_key>{key}</arg_key>\n<arg_value>"
+        f"{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}"
+        "</arg_value>\n"
+        for key, value in arguments.items()
+    ]
+    if mistake is not None:
+        pairs = _broken_pairs(pairs, mistake)
+    return "", f"{name}\n{''.join(pairs)}"
+
+
+def _broken_pairs(pairs: list[str], mistake: int) -> list[str]:
+    """GLM's layout got wrong: a value never closed, or a key without its value."""
+    if mistake % 2 == 0 and pairs:
+        return [*pairs[:-1], pairs[-1].replace("</arg_value>", "", 1)]
+    return [*pairs, "<arg_key>extra</arg_key>\n"]
+
+
+def _harmony(name: str, index: int, arguments: Args, mistake: int | None) -> tuple[str, str]:
+    # The message header after <|start|>, as gpt-oss's template writes a call.
+    head = f"assistant to=functions.{name}<|channel|>commentary json"
+    return head, _json_arguments(arguments, mistake)
+
+
+FORMATS: dict[str, CallFormat] = {
+    syntax.KIMI_K2: CallFormat(_kimi),
+    syntax.HERMES: CallFormat(_hermes, lead="\n", between="\n"),
+    syntax.DEEPSEEK_V3: CallFormat(_deepseek_v3, between="\n"),
+    syntax.DEEPSEEK_V31: CallFormat(_deepseek_v31),
+    syntax.GLM45: CallFormat(_glm, lead="\n", between="\n", turn_end="<|observation|>"),
+    syntax.HARMONY: CallFormat(_harmony, single=True),
+}
+KIMI_FORMAT = FORMATS[syntax.KIMI_K2]
+
+
 class ToolCallWriter:
     """Writes the calls of one answer's tool-call section (an engine ToolCaller)."""
 
@@ -118,30 +200,34 @@ class ToolCallWriter:
         functions: Sequence[Function],
         encode: Callable[[str], list[int]],
         broken_rate: float,
+        call_format: CallFormat = KIMI_FORMAT,
     ) -> None:
-        """Call among these functions; broken_rate of the calls get arguments that are not JSON."""
+        """Call among these functions; broken_rate of the calls get arguments that are not JSON
+        (or, for GLM, a broken layout); each call written in call_format."""
         if not functions:
             raise ValueError("a tool call needs at least one declared function")
         self._functions = tuple(functions)
         self._encode = encode
         self._broken_rate = broken_rate
+        self._format = call_format
 
     def __call__(self, rng: random.Random) -> list[ToolCallTokens]:
         """One call, sometimes two, each of a declared function with arguments for its schema."""
         count = 2 if rng.randrange(TWO_CALLS_ONE_IN) == 0 else 1
+        if self._format.single:  # drawn anyway: the rest of the output stays the same
+            count = 1
         return [self._call(rng, index) for index in range(count)]
 
     def _call(self, rng: random.Random, index: int) -> ToolCallTokens:
         """The call at this index of the section."""
         fn = rng.choice(self._functions)
-        arguments = json.dumps(arguments_for(fn.parameters, rng), ensure_ascii=False)
+        arguments = arguments_for(fn.parameters, rng)
         # Both draws happen whatever the rate, so changing the rate changes only the calls
         # that break, never the rest of an output.
         broken = rng.random() < self._broken_rate
         kind = rng.randrange(4)
-        text = broken_arguments(arguments, kind) if broken else arguments
-        head = self._encode(f"functions.{fn.name}:{index}")
-        return ToolCallTokens(tuple(head), tuple(self._encode(text)), broken)
+        head, body = self._format.write(fn.name, index, arguments, kind if broken else None)
+        return ToolCallTokens(tuple(self._encode(head)), tuple(self._encode(body)), broken)
 
 
 def broken_arguments(arguments: str, kind: int) -> str:
