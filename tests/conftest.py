@@ -33,6 +33,10 @@ for _name in [n for n in os.environ if n.startswith("EAGLEGEN_") and "_TEST_" no
 # Nor find a developer's running stack: `eaglegen up` leaves a pointer to it under
 # $XDG_CONFIG_HOME (eaglegen.stack), which commands run by the tests would follow.
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="eaglegen-test-config-")
+# Nor the width of the terminal it was started from (pytest-xdist's workers see COLUMNS=80):
+# commands the tests run write to pipes, whole lines, unless a test sets COLUMNS itself.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 _counter = itertools.count()
 
@@ -117,9 +121,13 @@ def database_url(service_urls: tuple[str, str], template_database: str) -> Itera
 
 @pytest.fixture
 def broker_url(service_urls: tuple[str, str]) -> str:
-    """A Redis database of its own, emptied, for this test."""
+    """A Redis database of its own, emptied, for this test. Under pytest-xdist each worker
+    process takes its own share of databases 1-15: one flushing another's mid-test would
+    free its slots and drop its queue."""
     _, base = service_urls
-    db = 1 + next(_counter) % 15
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    db = 1 + worker + workers * (next(_counter) % (15 // workers))
     url = f"{base.rsplit('/', 1)[0]}/{db}"
     client = redis.Redis.from_url(url)
     client.flushdb()
