@@ -73,6 +73,7 @@ bench: install
 	$(BIN)/python -m bench.sim_curve
 	$(BIN)/python -m bench.adaptive
 	$(BIN)/python -m bench.budget_tail --budget 500000 --rounds 2
+	$(BIN)/python -m bench.slot_wait --rounds 3
 	$(BIN)/python -m bench.worker_throughput --ceiling --rounds 3
 	for c in 64 256 600; do $(BIN)/python -m bench.worker_throughput --concurrency $$c --rounds 3 || exit 1; done
 	$(BIN)/python -m bench.serving --setup

@@ -199,9 +199,10 @@ class ConcurrencyController:
         additive = math.ceil(headroom / 2)
         # Room: the server admits nearly all it is sent (a queue under half the one kept at
         # the knee), so the knee may be far above the limit, and an additive climb there
-        # takes a step per missing request or two (4 -> 200: 112 samples, 9 minutes at 5 s).
-        # The slow-start factor takes 22. Its overshoot is bounded: KV's taper slows it near
-        # a full pool, and past the knee a queue builds, which ends it and is trimmed.
+        # takes a step per missing request or two; the slow-start factor takes a few
+        # (BENCHMARKS.md, "Regrowth after a cut"). Its overshoot is bounded: KV's taper
+        # slows it near a full pool, and past the knee a queue builds, which ends it and is
+        # trimmed.
         multiplicative = round(self.limit * t.growth * (1.0 - projected / t.kv_target))
         if self.slow_start:
             step = multiplicative
