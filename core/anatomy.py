@@ -219,7 +219,7 @@ def _opened_by_model(body: Sequence[int], markers: Markers) -> int | None:
     for i, token in enumerate(body):
         if token == markers.think_start:
             return i + 1
-        if not _blank(markers.pieces.get(token)):
+        if not blank_piece(markers.pieces.get(token)):
             return None
     return None
 
@@ -231,7 +231,8 @@ _SPACES = str.maketrans(
 _BYTE_SPACES = frozenset({"<0x09>", "<0x0A>", "<0x0D>", "<0x20>"})
 
 
-def _blank(piece: str | None) -> bool:
+def blank_piece(piece: str | None) -> bool:
+    """Whether a vocabulary string spells white space only (in any of the spellings above)."""
     if not piece:
         return False
     return piece in _BYTE_SPACES or not piece.translate(_SPACES).strip()

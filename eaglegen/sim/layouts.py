@@ -19,25 +19,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from core.anatomy import blank_piece
 from core.families import KIMI_K2, Family
 from eaglegen.sim.engine import Frame, ToolCallTokens
 from eaglegen.sim.tools import CallFormat
 
-# How byte-level BPE (GPT-2 style) and SentencePiece vocabularies spell white space.
-_SPACES = str.maketrans(
-    {"\u0120": " ", "\u010a": "\n", "\u0109": "\t", "\u010d": "\r", "\u2581": " "}
-)
-_BYTE_SPACES = frozenset({"<0x09>", "<0x0A>", "<0x0D>", "<0x20>"})
 Encode = Callable[[str], list[int]]
 
 
 def blank_ids(vocab: Mapping[str, int]) -> frozenset[int]:
     """The ids whose vocabulary string is white space only."""
-    return frozenset(
-        i
-        for piece, i in vocab.items()
-        if piece and (piece in _BYTE_SPACES or not piece.translate(_SPACES).strip())
-    )
+    return frozenset(i for piece, i in vocab.items() if blank_piece(piece))
 
 
 class Opened(Enum):
