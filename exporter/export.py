@@ -26,14 +26,15 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from exporter.folder import MANIFEST, Workspace, leftovers
+from exporter.folder import MANIFEST, USAGE, Workspace, leftovers
+from exporter.layouts import CONVERSATIONS, whole_name
 from exporter.manifest import (
-    CONVERSATIONS,
     Options,
     Previous,
     check_extends,
     encode,
     manifest_document,
+    merge_shards,
     read_manifest,
 )
 from exporter.roundtrip import RoundTrips
@@ -42,6 +43,7 @@ from exporter.shaping import ConversationShaper, ValidityCheck
 from exporter.split import TRAIN, VAL, split_of
 from exporter.tally import Tally
 from exporter.tokenizer import RunTokenizer, for_run, run_stop_ids
+from exporter.usage import how_to_load
 from exporter.writers import Row, Shard, SplitWriter
 from models.export import PromptedGeneration
 from models.records import ExportedGeneration, ExportRun
@@ -78,6 +80,7 @@ class ExportResult:
     roundtrip: RoundTrips | None = None  # this pass's, for conversations
     # What an export that did not finish had left in the folder, removed by this one.
     removed: list[str] = field(default_factory=list)
+    usage: str = ""  # how to load the export (written to how-to-load.txt)
 
 
 def prepare(repo: Repository, request: ExportRequest) -> tuple[ExportRun, Previous | None, int]:
@@ -177,8 +180,15 @@ def _write(
 ) -> ExportResult:
     """The pass in ``folder``: the shards, then the manifest."""
     options = request.options
+    before = {} if previous is None else {s.file: s for s in previous.shards}
     writers = {
-        split: SplitWriter(folder, split, options.writer, request.shard_bytes)
+        split: SplitWriter(
+            folder,
+            split,
+            options.writer,
+            request.shard_bytes,
+            before.get(whole_name(options.writer, split)),
+        )
         for split in (TRAIN, VAL)
     }
     tally = Tally()
@@ -205,8 +215,10 @@ def _write(
     seen = {i: t for i, t in seen.items() if t >= since}
     context = _Context(run, request, previous, tally, shards, since, seen, scan.started_at)
     document = _manifest(repo, context, trips, tokenizer)
+    usage = how_to_load(request.out, options, document["shards"])
+    folder.write(USAGE, usage.encode())
     folder.write(MANIFEST, encode(document))
-    return ExportResult(shards, tally, document, trips, folder.removed)
+    return ExportResult(shards, tally, document, trips, folder.removed, usage)
 
 
 @contextmanager
@@ -306,7 +318,7 @@ def _manifest(
         version=importlib.metadata.version("eaglegen"),
         tally=tally if previous is None else previous.tally.merged(tally),
         excluded=excluded,
-        shards=([] if previous is None else previous.shards) + shards,
+        shards=shards if previous is None else merge_shards(previous.shards, shards),
         passes=([] if previous is None else previous.document["passes"]) + [this_pass],
         since=ctx.since,
         seen=ctx.seen,

@@ -4,6 +4,8 @@ why: OUT may hold links planted by someone else)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import os
 import shutil
@@ -26,6 +28,30 @@ def sync_tree(dir_fd: int, name: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# renameat2(2)'s flag that exchanges two names in one step (Linux 3.15).
+_RENAME_EXCHANGE = 2
+
+
+def swap(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+    """Exchange ``src`` and ``dst`` (both existing): ``dst`` becomes what ``src`` was and
+    ``src`` the old ``dst``. In one step where the C library and the file system can
+    (renameat2), so a reader of ``dst`` never finds it missing; otherwise the old ``dst``
+    is renamed to ``src`` through a third name, and a kill between the two renames leaves
+    ``dst`` missing for a moment (the next export says so)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is not None:
+        names = os.fsencode(src), os.fsencode(dst)
+        if renameat2(src_fd, names[0], dst_fd, names[1], _RENAME_EXCHANGE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(code, os.strerror(code), dst)
+    aside = f"{src}.old"
+    os.rename(dst, aside, src_dir_fd=dst_fd, dst_dir_fd=src_fd)
+    os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+    os.rename(aside, src, src_dir_fd=src_fd, dst_dir_fd=src_fd)
 
 
 def remove(dir_fd: int, name: str) -> None:

@@ -22,19 +22,21 @@ from pathlib import Path
 from typing import Any
 
 from exporter.folder import MANIFEST as MANIFEST  # where it always was, for importers
+from exporter.layouts import CONVERSATIONS, HF, TOKENS
 from exporter.roundtrip import RoundTrips
 from exporter.rows import Filters
+from exporter.split import TRAIN, VAL
 from exporter.tally import Tally
 from exporter.writers import Shard
 from models.records import ExportCursor, ExportRun
 
-TOKENS = "tokens"
-CONVERSATIONS = "conversations"
 FORMATS = (TOKENS, CONVERSATIONS)
-VERSION = 1
+# 2: each split in a folder of its own (1 put the shards beside the manifest).
+VERSION = 2
 # The options an incremental export must share with the export it extends, by the flag
 # that sets each: rows of two settings in one folder would be one data set of neither.
 FLAGS = {
+    "for": "--for",
     "writer": "--jsonl/--hf-dataset",
     "datasets": "--datasets",
     "exclude_truncated": "--exclude-truncated",
@@ -58,11 +60,13 @@ class Options:
     seed: int = 0
     format: str = TOKENS
     style: str | None = None  # conversations only: exporter.conversations.STYLES
+    consumer: str = HF  # ``--for``: exporter.layouts.CONSUMERS
 
     def document(self) -> dict[str, Any]:
         """As the manifest writes it (keys as in :data:`FLAGS`)."""
         datasets = self.filters.datasets
         return {
+            "for": self.consumer,
             "writer": self.writer,
             "datasets": None if datasets is None else sorted(datasets),
             "exclude_truncated": self.filters.exclude_truncated,
@@ -110,6 +114,12 @@ def read_manifest(out: Path) -> Previous | None:
             seen={int(i): datetime.fromisoformat(t) for i, t in resume["seen"]},
             roundtrip=RoundTrips.from_document(doc.get("roundtrip") or {}),
         )
+        if doc.get("manifest_version") != VERSION:
+            raise ValueError(
+                f"{path} is from an export of another layout (manifest_version "
+                f"{doc.get('manifest_version')!r}, this eaglegen writes {VERSION}: each split "
+                "in a folder of its own): export into a new folder"
+            )
         names = [s.file for s in previous.shards]
         for done in doc["passes"]:
             if not isinstance(done["shards"], list):
@@ -146,15 +156,27 @@ def _read_file(path: Path) -> bytes | None:
 
 
 def _in_folder(out: Path, name: object) -> bool:
-    """Whether ``name`` is a plain name in ``out`` (a link there must stay in ``out``)."""
-    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name:
+    """Whether ``name`` is a split's folder in ``out`` or a plain name in one (a link on
+    the way must stay in ``out``)."""
+    if not isinstance(name, str) or "\0" in name or "\\" in name:
         return False
-    if any(sep in name for sep in (os.sep, os.altsep, "\\") if sep):
+    parts = name.split("/")
+    if parts[0] not in (TRAIN, VAL) or len(parts) > 2:
+        return False
+    if len(parts) == 2 and parts[1] in ("", ".", ".."):
+        return False
+    if os.altsep and os.altsep in name:
         return False
     path = out / name
-    if not path.is_symlink():
-        return True
     return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(out))
+
+
+def merge_shards(before: list[Shard], new: list[Shard]) -> list[Shard]:
+    """The shards of an export extended by a pass that wrote ``new``: a whole split's file
+    written again replaces its entry, in place."""
+    files = {s.file: s for s in new}
+    merged = [files.pop(s.file, s) for s in before]
+    return merged + [s for s in new if s.file in files]
 
 
 def check_extends(previous: Previous, run: ExportRun, options: Options) -> None:

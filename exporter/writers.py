@@ -1,20 +1,26 @@
-"""Shards of one split, in one of three shapes, each complete under its final name or absent.
+"""The files of one split, each complete under its final name or absent.
 
-A shard is written in the pass's private folder (``folder.Workspace``: files created
-there, never through a link) and renamed into OUT when it reaches the size limit or the
-export ends, so that a killed export never leaves a partial shard under a final name. Rows
-are buffered into batches of a few MB and written as they fill: memory stays constant
-whatever the shard size (a `save_to_disk` shard goes through a memory-mapped Arrow stream
-file, not through memory).
+Sharded (``--for hf``): Parquet, JSON Lines or `save_to_disk` shards in the split's folder;
+a shard is written in the pass's private folder (``folder.Workspace``: files created there,
+never through a link) and renamed into place when it reaches the size limit or the export
+ends, so that a killed export never leaves a partial shard under a final name. Whole
+(``exporter.layouts``: one JSON Lines file, or one torch-format Dataset, per split): the
+split's folder is built again in the private folder (the previous rows first, then the new
+ones) and swapped in at the end. Rows are buffered into batches of a few MB and written as
+they fill: memory stays constant whatever the size (a `save_to_disk` folder is built from a
+memory-mapped Arrow stream file, not through memory).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import re
+import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,16 +28,25 @@ import pyarrow.parquet as pq
 from exporter.columns import SCHEMA, jsonl_line, record_batch
 from exporter.files import sha256_of, size_of
 from exporter.folder import SHARD, Workspace
+from exporter.layouts import (
+    HF_DATASET,
+    JSONL,
+    JSONL_FILE,
+    PARQUET,
+    TORCH_COLUMNS,
+    TORCH_DATASET,
+    WHOLE,
+    whole_name,
+)
 from exporter.rows import TokenRow
 
-PARQUET = "parquet"
-JSONL = "jsonl"
-HF_DATASET = "hf-dataset"
 SUFFIXES = {PARQUET: ".parquet", JSONL: ".jsonl", HF_DATASET: ""}
 # Rows buffered before a write: big enough for efficient Parquet row groups, small enough
 # to keep memory flat (a quarter of the shard at most, so a shard ends near its limit).
 BATCH_BYTES = 8 << 20
 _MIN_BATCH_BYTES = 16 << 10
+_COPY_CHUNK = 1 << 20
+_SAVED_DATA = re.compile(r"data-\d{5}-of-\d{5}\.arrow")
 
 
 @dataclass(frozen=True)
@@ -124,11 +139,17 @@ class _JsonlSink:
 
 class _ArrowDirSink:
     """A `datasets` ``save_to_disk`` folder, built at close from an Arrow stream file that
-    the batches were appended to (``Dataset.from_file`` maps it instead of reading it)."""
+    the batches were appended to (``Dataset.from_file`` maps it instead of reading it).
+    ``torch``: saved in torch format (what speculators' trainer reads), after the rows of
+    ``before`` (the split's Dataset as the previous export left it) when there is one."""
 
-    def __init__(self, folder: Workspace, name: str) -> None:
+    def __init__(
+        self, folder: Workspace, name: str, *, torch: bool = False, before: Path | None = None
+    ) -> None:
         self._folder = folder
         self._name = name
+        self._torch = torch
+        self._before = before
         self._stream = f"{name}.arrow"
         self._file = folder.create(self._stream)
         self._writer = pa.ipc.new_stream(self._file, SCHEMA)
@@ -142,8 +163,14 @@ class _ArrowDirSink:
     def close(self) -> None:
         self.discard()
         try:
-            # `datasets` opens by path: both inside the private folder (checked).
-            _save_to_disk(self._folder.path(self._stream), self._folder.path(self._name))
+            # `datasets` opens by path: inside the private folder (checked), and the
+            # split's folder in OUT that this pass holds open (checked).
+            _save_to_disk(
+                self._folder.path(self._stream),
+                self._folder.path(self._name),
+                torch=self._torch,
+                before=self._before,
+            )
         finally:
             self._folder.discard(self._stream)
 
@@ -154,34 +181,73 @@ class _ArrowDirSink:
             self._file.close()
 
 
-def _save_to_disk(stream_path: Path, folder: Path) -> None:
-    """The Arrow stream file as a `save_to_disk` folder, without progress bars."""
-    from datasets import Dataset
+def _save_to_disk(
+    stream_path: Path, folder: Path, *, torch: bool = False, before: Path | None = None
+) -> None:
+    """The Arrow stream file (after the Dataset at ``before``) as a `save_to_disk` folder,
+    in torch format if ``torch``, without progress bars."""
+    from datasets import Dataset, concatenate_datasets
     from datasets.utils import logging as ds_logging
 
     was_enabled = ds_logging.is_progress_bar_enabled()
     ds_logging.disable_progress_bar()
     try:
         dataset = Dataset.from_file(str(stream_path))
+        if before is not None:
+            dataset = concatenate_datasets([*_saved_tables(before), dataset])
         dataset.save_to_disk(str(folder))
         del dataset  # it maps the stream file, which is removed next
     finally:
         if was_enabled:
             ds_logging.enable_progress_bar()
+    if torch:
+        _in_torch_format(folder)
 
 
-def _open(kind: str, folder: Workspace, name: str) -> _Sink:
-    if kind == PARQUET:
-        return _ParquetSink(folder.create(name))
-    if kind == JSONL:
-        return _JsonlSink(folder.create(name))
-    return _ArrowDirSink(folder, name)
+def _saved_tables(folder: Path) -> list[Any]:
+    """The Arrow files of a saved Dataset, each as a Dataset without format (what
+    ``load_from_disk`` would map, but it sets the recorded torch format, which needs
+    torch)."""
+    from datasets import Dataset
+
+    state = json.loads((folder / "state.json").read_bytes())
+    names = [entry["filename"] for entry in state["_data_files"]]
+    for name in names:
+        if not _SAVED_DATA.fullmatch(name):
+            raise ValueError(f"{folder / 'state.json'} names {name!r}, not a file it saves")
+    return [Dataset.from_file(str(folder / name)) for name in names]
+
+
+def _in_torch_format(folder: Path) -> None:
+    """Record in the saved Dataset's ``state.json`` the format ``set_format("torch",
+    columns=TORCH_COLUMNS, output_all_columns=True)`` records: `datasets` refuses to set
+    it where torch is not installed (eaglegen does not need torch), but only reads it back
+    when the Dataset is used, on the trainer's machine."""
+    path = folder / "state.json"
+    state = json.loads(path.read_bytes())
+    state |= {
+        "_format_type": "torch",
+        "_format_columns": list(TORCH_COLUMNS),
+        "_format_kwargs": {},
+        "_output_all_columns": True,
+    }
+    path.write_text(json.dumps(state, indent=2, sort_keys=True))
+
+
+class _CopySink(_JsonlSink):
+    """The split's one JSON Lines file: the previous export's rows copied first."""
+
+    def __init__(self, handle: BinaryIO, before: BinaryIO | None) -> None:
+        super().__init__(handle)
+        if before is not None:
+            with before:
+                shutil.copyfileobj(before, handle, _COPY_CHUNK)
 
 
 def next_index(names: Iterable[str], split: str) -> int:
-    """The number of the next shard of ``split`` among ``names`` (OUT's): one past every
-    shard there, listed in the manifest or not (one renamed before an export was killed is
-    never overwritten)."""
+    """The number of the next shard of ``split`` among ``names`` (its folder's): one past
+    every shard there, listed in the manifest or not (one renamed before an export was
+    killed is never overwritten)."""
     found = [
         int(m["index"]) for name in names if (m := SHARD.fullmatch(name)) and m["split"] == split
     ]
@@ -189,26 +255,40 @@ def next_index(names: Iterable[str], split: str) -> int:
 
 
 class SplitWriter:
-    """The shards of one split: rows go in, complete shards come out under final names."""
+    """The files of one split: rows go in, complete files come out under final names.
+    ``before``: the split's whole file or folder as the previous export listed it (whole
+    layouts only: its rows are kept, ahead of the new ones)."""
 
-    def __init__(self, folder: Workspace, split: str, kind: str, shard_bytes: int) -> None:
+    def __init__(
+        self,
+        folder: Workspace,
+        split: str,
+        kind: str,
+        shard_bytes: int,
+        before: Shard | None = None,
+    ) -> None:
         self.folder = folder
         self.split = split
         self.kind = kind
+        self.whole = kind in WHOLE
         self.shard_bytes = shard_bytes
         self.batch_bytes = max(min(BATCH_BYTES, shard_bytes // 4), _MIN_BATCH_BYTES)
         self.shards: list[Shard] = []
-        self._index = next_index(folder.names(), split)
+        self._before = before
+        self._index = 0 if self.whole else next_index(folder.names(split), split)
         self._buffer: list[Row] = []
         self._buffered = 0
         self._sink: _Sink | None = None
         self._rows = 0
 
     def _name(self) -> str:
+        """The file's name in the private folder (a whole split: its path in OUT)."""
+        if self.whole:
+            return whole_name(self.kind, self.split)
         return f"{self.split}-{self._index:05d}{SUFFIXES[self.kind]}"
 
     def add(self, row: Row) -> None:
-        """Buffer ``row``; write the buffer when it is full, end the shard at its size."""
+        """Buffer ``row``; write the buffer when it is full, end a shard at its size."""
         self._buffer.append(row)
         if isinstance(row, Line):
             self._buffered += len(row.data)
@@ -217,17 +297,34 @@ class SplitWriter:
         if self._buffered >= self.batch_bytes:
             self._flush()
             assert self._sink is not None
-            if self._sink.size() >= self.shard_bytes:
+            if not self.whole and self._sink.size() >= self.shard_bytes:
                 self._complete()
 
     def _flush(self) -> None:
         if not self._buffer:
             return
         if self._sink is None:
-            self._sink = _open(self.kind, self.folder, self._name())
+            self._sink = self._open()
         self._sink.write(self._buffer)
         self._rows += len(self._buffer)
         self._buffer, self._buffered = [], 0
+
+    def _open(self) -> _Sink:
+        folder, name = self.folder, self._name()
+        if self.kind == PARQUET:
+            return _ParquetSink(folder.create(name))
+        if self.kind == JSONL:
+            return _JsonlSink(folder.create(name))
+        if self.kind == HF_DATASET:
+            return _ArrowDirSink(folder, name)
+        kept = self._before is not None
+        if self.kind == JSONL_FILE:
+            folder.mkdir(self.split)
+            before = folder.read(self.split, f"{self.split}.jsonl") if kept else None
+            return _CopySink(folder.create(name), before)
+        assert self.kind == TORCH_DATASET
+        before_path = folder.published(self.split) if kept else None
+        return _ArrowDirSink(folder, name, torch=True, before=before_path)
 
     def _complete(self) -> None:
         assert self._sink is not None
@@ -235,21 +332,27 @@ class SplitWriter:
         self._sink = None
         name = self._name()
         written = self.folder.path(name)
-        shard = Shard(name, self.split, self._rows, size_of(written), sha256_of(written))
-        self.folder.publish(name)
+        rows = self._rows + (0 if self._before is None else self._before.rows)
+        file = name if self.whole else f"{self.split}/{name}"
+        shard = Shard(file, self.split, rows, size_of(written), sha256_of(written))
+        if self.whole:
+            self.folder.install(self.split)
+        else:
+            self.folder.publish(name, self.split)
         self.shards.append(shard)
         self._index += 1
         self._rows = 0
 
     def finish(self) -> list[Shard]:
-        """Write what is buffered and end the last shard; every shard written."""
+        """Write what is buffered and end the last file; every file written (none for a
+        whole split this pass added no row to: it stays as it was)."""
         self._flush()
         if self._sink is not None:
             self._complete()
         return self.shards
 
     def abort(self) -> None:
-        """Close the shard being written (the private folder, removed at the end of the
+        """Close the file being written (the private folder, removed at the end of the
         pass, holds it; the complete ones stay, under final names)."""
         if self._sink is not None:
             # Already failing: the removal of the private folder is what matters.

@@ -41,10 +41,12 @@ class ExportFormat(StrEnum):
     conversations = "conversations"
 
 
-class Style(StrEnum):
-    """The shape of a conversation row."""
+class Consumer(StrEnum):
+    """The trainer the export's folder is laid out for (exporter.layouts)."""
 
+    hf = "hf"
     specforge = "specforge"
+    speculators = "speculators"
     modelopt = "modelopt"
 
 
@@ -52,22 +54,33 @@ class Style(StrEnum):
 def export(
     run: Annotated[str, typer.Argument(help="Run to export")],
     out: Annotated[Path, typer.Argument(help="Folder for the shards and manifest.json")],
+    for_: Annotated[
+        Consumer,
+        typer.Option(
+            "--for",
+            help="The trainer that loads the folder: hf (`datasets` shards), specforge (one "
+            "JSONL per split for data.prompts_path), speculators (a torch Dataset folder per "
+            "split for --data-path), modelopt (its conversation files)",
+        ),
+    ] = Consumer.hf,
     format_: Annotated[
-        ExportFormat, typer.Option("--format", help="Row format")
-    ] = ExportFormat.tokens,
+        ExportFormat | None,
+        typer.Option(
+            "--format",
+            help="Row format [default: tokens; conversations for --for modelopt]",
+            show_default=False,
+        ),
+    ] = None,
     jsonl: Annotated[
-        bool, typer.Option("--jsonl", help="JSON Lines shards (SpecForge/speculators rows)")
+        bool, typer.Option("--jsonl", help="--for hf: JSON Lines shards instead of Parquet")
     ] = False,
     hf_dataset: Annotated[
-        bool, typer.Option("--hf-dataset", help="`datasets` save_to_disk folders as shards")
+        bool,
+        typer.Option("--hf-dataset", help="--for hf: `datasets` save_to_disk folders as shards"),
     ] = False,
     datasets: Annotated[
         str | None, typer.Option(help="Only these datasets (comma-separated)")
     ] = None,
-    style: Annotated[
-        Style,
-        typer.Option(help="Conversation rows: SpecForge `conversations` or Model-Optimizer"),
-    ] = Style.specforge,
     exclude_truncated: Annotated[
         bool | None,
         typer.Option(
@@ -110,14 +123,21 @@ def export(
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Write the run's done generations as shards (Parquet by default; conversations as JSON
-    Lines) and a manifest."""
+    """Write the run's done generations in the layout a trainer loads (a folder per split,
+    the manifest beside them) and say how to load it."""
     from exporter.export import ExportRequest, load_tokenizer, prepare
+    from exporter.layouts import CONVERSATIONS, layout_for
     from exporter.manifest import Options
     from exporter.rows import Filters
     from exporter.split import check_fraction
 
-    conversations = format_ == ExportFormat.conversations
+    layout = layout_for(
+        for_.value,
+        None if format_ is None else format_.value,
+        jsonl=jsonl,
+        hf_dataset=hf_dataset,
+    )
+    conversations = layout.format == CONVERSATIONS
     if require_exact and not conversations:
         raise ValueError("--require-exact checks conversations: add --format conversations")
     wanted = None if datasets is None else _dataset_names(datasets)
@@ -130,12 +150,13 @@ def export(
         require_exact=require_exact,
     )
     options = Options(
-        writer=_writer(jsonl, hf_dataset, conversations=conversations),
+        writer=layout.writer,
+        consumer=layout.consumer,
         filters=filters,
         val_fraction=check_fraction(val_fraction),
         seed=seed,
-        format=format_.value,
-        style=style.value if conversations else None,
+        format=layout.format,
+        style=layout.style,
     )
     request = ExportRequest(
         run=check_name("run", run),
@@ -170,20 +191,28 @@ def export(
 
 
 def _entries(out: Path) -> dict[str, tuple[int, int]]:
-    """The names in the export folder (none when it does not exist), temporary ones aside,
-    each with what tells a file from one written later under its name (a re-run of a killed
-    first export removes that export's shards and writes shards of the same names)."""
+    """The names in the export folder and in its split folders (none when it does not
+    exist), temporary ones aside, each with what tells a file from one written later under
+    its name (a re-run of a killed first export removes that export's shards and writes
+    shards of the same names)."""
     from exporter.files import TMP_PREFIX
+    from exporter.split import TRAIN, VAL
 
     if not out.is_dir():
         return {}
     found = {}
-    for path in out.iterdir():
-        if path.name.startswith(TMP_PREFIX):
-            continue
+    paths = [p for p in out.iterdir() if not p.name.startswith(TMP_PREFIX)]
+    for split in (TRAIN, VAL):
+        folder = out / split
+        if folder.is_dir() and not folder.is_symlink():
+            with suppress(FileNotFoundError):
+                paths += folder.iterdir()
+    for path in paths:
+        if path.name in (TRAIN, VAL) and path.parent == out:
+            continue  # the folder: what is in it is listed
         with suppress(FileNotFoundError):  # removed since it was listed
             st = path.lstat()
-            found[path.name] = (st.st_ino, st.st_mtime_ns)
+            found[path.relative_to(out).as_posix()] = (st.st_ino, st.st_mtime_ns)
     return found
 
 
@@ -229,21 +258,6 @@ def _removed(names: list[str], request: ExportRequest) -> str:
         f"removed {len(names)} file(s) an unfinished export had left in "
         f"{inline(str(request.out))}: {shown}"
     )
-
-
-def _writer(jsonl: bool, hf_dataset: bool, *, conversations: bool) -> str:
-    from exporter.writers import HF_DATASET, JSONL, PARQUET
-
-    if jsonl and hf_dataset:
-        raise ValueError("--jsonl and --hf-dataset exclude each other: pick one writer")
-    if conversations:
-        if hf_dataset:
-            raise ValueError(
-                "conversations are written as JSON Lines (their tools and arguments have no "
-                "one columnar type): drop --hf-dataset"
-            )
-        return JSONL
-    return JSONL if jsonl else HF_DATASET if hf_dataset else PARQUET
 
 
 def _dataset_names(value: str) -> tuple[str, ...]:
@@ -297,6 +311,8 @@ def _run(
 
 
 def _report(result: ExportResult, request: ExportRequest, json_out: bool) -> None:
+    from exporter.folder import USAGE
+
     if json_out:
         emit_json(
             {
@@ -308,6 +324,7 @@ def _report(result: ExportResult, request: ExportRequest, json_out: bool) -> Non
                 "total_rows": result.manifest["rows"],
                 "roundtrip": None if result.roundtrip is None else result.roundtrip.document(),
                 "removed": result.removed,
+                "how_to_load": str(request.out / USAGE),
             }
         )
         return
@@ -326,6 +343,7 @@ def _report(result: ExportResult, request: ExportRequest, json_out: bool) -> Non
     )
     if result.roundtrip is not None:
         _report_round_trips(result)
+    console().print(result.usage, end="", highlight=False, markup=False, soft_wrap=True)
 
 
 def _report_round_trips(result: ExportResult) -> None:

@@ -90,13 +90,13 @@ def test_export_conversations_reports_the_round_trip_per_dataset(
     assert "exported 5 row(s) (train 5)" in done.stderr
     assert "round trip d: 3/5 exact" in done.stderr
     assert "differs in prompt 0, output 2" in done.stderr
-    [shard] = [p for p in out.iterdir() if p.name.startswith("train-")]
+    [shard] = [p for p in (out / "train").iterdir() if p.name.startswith("train-")]
     rows = [json.loads(line) for line in shard.read_text().splitlines()]
     assert len(rows) == 5 and all("conversations" in r for r in rows)
 
     strict = eaglegen(
-        "export", "run", str(tmp_path / "strict"), "--format", "conversations",
-        "--style", "modelopt", "--require-exact", "--include-truncated", "--json", env=env,
+        "export", "run", str(tmp_path / "strict"), "--for", "modelopt",
+        "--require-exact", "--include-truncated", "--json", env=env,
     )  # fmt: skip
     assert strict.returncode == 0, strict.stderr
     document = json.loads(strict.stdout)
@@ -203,7 +203,7 @@ def test_an_export_that_loses_postgres_names_the_shards_it_wrote_in_one_line(
             "the export's last read to wait",
         )
         # (The export's private folder aside: the shard it writes is in there.)
-        written = sorted(p.name for p in out.iterdir() if not p.name.startswith(".tmp-"))
+        written = sorted(f"train/{p.name}" for p in (out / "train").iterdir())
         with outage(url):
             _, stderr = export.communicate(timeout=PATIENCE_S)
             thread.join(timeout=PATIENCE_S)
@@ -211,7 +211,8 @@ def test_an_export_that_loses_postgres_names_the_shards_it_wrote_in_one_line(
         holder.close()
         locker.close()
     assert export.returncode == 2, stderr
-    assert len(written) > 5 and written == [f"train-{i:05d}.parquet" for i in range(len(written))]
+    assert len(written) > 5
+    assert written == [f"train/train-{i:05d}.parquet" for i in range(len(written))]
     line = one_line_error(stderr)
     assert f"lost Postgres at {redact(url)} during the export: " in line
     assert (
@@ -219,7 +220,8 @@ def test_an_export_that_loses_postgres_names_the_shards_it_wrote_in_one_line(
         f"and {len(written) - 5} more), but no manifest.json: they are no export yet; run the "
         "export again (it removes them first)"
     ) in line
-    assert sorted(p.name for p in out.iterdir()) == written  # as they were: no manifest
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".tmp-")) == ["train"]
+    assert sorted(f"train/{p.name}" for p in (out / "train").iterdir()) == written
     again = eaglegen("export", "run", str(out), *args, "--json", env=env)
     assert again.returncode == 0, again.stderr
     document = json.loads(again.stdout)
@@ -240,6 +242,7 @@ def test_an_export_says_in_one_line_what_an_unfinished_one_left_and_it_removed(
     more = eaglegen("export", "run", str(out), "--incremental", env=service_env(settings))
     assert more.returncode == 0, more.stderr
     removed, exported = more.stderr.strip().splitlines()
+    assert more.stdout.startswith("Load with datasets:")
     assert removed == (
         f"removed 2 file(s) an unfinished export had left in {out}: .tmp-1234-manifest.json, "
         ".tmp-export-0123456789abcdef"

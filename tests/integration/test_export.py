@@ -19,9 +19,9 @@ import pytest
 from core.settings import Settings
 from exporter.export import ExportRequest, ExportResult, prepare, run_export
 from exporter.files import TMP_PREFIX, sha256_of
+from exporter.layouts import HF_DATASET, JSONL, PARQUET
 from exporter.manifest import MANIFEST, Options
 from exporter.rows import INVALID, NO_LOSS, NOT_EXACT, SHORT, TRUNCATED, Filters
-from exporter.writers import HF_DATASET, JSONL, PARQUET
 from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
 from models.repository import Repository
 from tests.helpers import InspectRepository, enqueue_file, sample_rows, wait_settled, write_jsonl
@@ -122,7 +122,7 @@ def test_jsonl_and_save_to_disk_shards_load_with_datasets(
     jsonl_manifest = export(repo, jsonl_out, writer=JSONL).manifest
     hf_manifest = export(repo, hf_out, writer=HF_DATASET, shard_bytes=10_000).manifest
     [jsonl_file] = shard_files(jsonl_manifest)
-    assert jsonl_file == "train-00000.jsonl"
+    assert jsonl_file == "train/train-00000.jsonl"
     lines = [json.loads(line) for line in (jsonl_out / jsonl_file).read_text().splitlines()]
     # The keys SpecForge's prompts_path and speculators' pre-tokenized rows read.
     assert {"id", "primary_id", "input_ids", "loss_mask", "metadata"} <= set(lines[0])
@@ -207,7 +207,7 @@ def test_the_split_is_the_same_on_every_export(repo: InspectRepository, tmp_path
         manifest = export(repo, tmp_path / name, val_fraction=0.2, seed=11).manifest
         train = parquet_rows(tmp_path / name, shard_files(manifest, "train"))
         val = parquet_rows(tmp_path / name, shard_files(manifest, "val"))
-        assert shard_files(manifest, "val") == ["val-00000.parquet"]
+        assert shard_files(manifest, "val") == ["val/val-00000.parquet"]
         assert manifest["counts"]["a"]["splits"] == {"train": len(train), "val": len(val)}
         ids.append(({r["id"] for r in train}, {r["id"] for r in val}))
     assert ids[0] == ids[1]
@@ -258,7 +258,8 @@ def test_a_killed_export_leaves_no_partial_shard_under_a_final_name_and_a_rerun_
     with subprocess.Popen(command, env=env, stderr=subprocess.PIPE) as export_process:
         # Stop it as soon as its first shard is in place, then kill it: mid-export.
         deadline = time.monotonic() + 60
-        while not (out.is_dir() and any(p.name.startswith("train-") for p in out.iterdir())):
+        train = out / "train"
+        while not (train.is_dir() and any(p.name.startswith("train-") for p in train.iterdir())):
             assert export_process.poll() is None, "the export ended before its first shard"
             assert time.monotonic() < deadline
             time.sleep(0.001)
@@ -267,19 +268,22 @@ def test_a_killed_export_leaves_no_partial_shard_under_a_final_name_and_a_rerun_
         export_process.wait()
     assert export_process.returncode == -signal.SIGKILL
     assert not (out / MANIFEST).exists()  # it was killed before its end
-    finals = [p for p in out.iterdir() if not p.name.startswith(TMP_PREFIX)]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(TMP_PREFIX)) == ["train"]
+    finals = list(train.iterdir())
     assert finals and all(p.name.startswith("train-") for p in finals)
     for shard in finals:  # each one complete: its footer is there and every row reads
         table = pq.read_table(shard)
         assert table.num_rows == pq.read_metadata(shard).num_rows > 0
         assert_rows_are_the_database(repo, table.to_pylist())
     # The same export again: it removes what the killed one left and writes it all.
-    left = sorted(p.name for p in out.iterdir())
+    left = sorted(p.name for p in out.iterdir() if p.name != "train")
+    left += sorted(f"train/{p.name}" for p in finals)
     again = export(repo, out, shard_bytes=2_000)
-    assert sorted(again.removed) == left
+    assert sorted(again.removed) == sorted(left)
     clean = export(repo, tmp_path / "clean", shard_bytes=2_000)
     assert comparable(again.manifest) == comparable(clean.manifest)
-    assert sorted(p.name for p in out.iterdir()) == sorted([*shard_files(clean.manifest), MANIFEST])
+    assert sorted(p.name for p in out.iterdir()) == ["how-to-load.txt", MANIFEST, "train"]
+    assert sorted(f"train/{p.name}" for p in train.iterdir()) == shard_files(clean.manifest)
 
 
 def comparable(manifest: dict[str, Any]) -> dict[str, Any]:

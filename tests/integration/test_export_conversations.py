@@ -16,9 +16,9 @@ from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
 from exporter.conversations import MODELOPT, SPECFORGE
 from exporter.export import ExportRequest, ExportResult, prepare, run_export
-from exporter.manifest import CONVERSATIONS, MANIFEST, TOKENS, Options
+from exporter.layouts import CONVERSATIONS, JSONL, PARQUET, TOKENS
+from exporter.manifest import MANIFEST, Options
 from exporter.rows import INVALID, NOT_EXACT, TRUNCATED, Filters
-from exporter.writers import JSONL, PARQUET
 from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
 from models.repository import Repository
 from tests.helpers import InspectRepository, family_tokenizer, sample_rows

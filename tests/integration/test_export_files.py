@@ -52,8 +52,8 @@ def test_links_planted_at_the_temporary_names_are_removed_and_never_written_thro
         (out / f".tmp-{os.getpid()}-{name}").symlink_to(victim)
     result = export(repo, out, incremental=True)
     assert [v.read_bytes() for v in victims.values()] == [VICTIM] * 2
-    for name in victims:
-        assert not (out / name).is_symlink() and (out / name).is_file()
+    for final in (out / MANIFEST, out / "train" / "train-00001.parquet"):
+        assert not final.is_symlink() and final.is_file()
     assert json.loads((out / MANIFEST).read_bytes()) == result.manifest
     assert sorted(result.removed) == sorted(f".tmp-{os.getpid()}-{n}" for n in victims)
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
@@ -90,9 +90,9 @@ def test_a_link_inside_the_folder_is_a_shard_name_like_any_other(
 ) -> None:
     out = tmp_path / "out"
     first = first_export(repo, out).manifest
-    (out / "alias.parquet").symlink_to(out / shard_files(first)[0])
-    edit_manifest(out, file="alias.parquet")
-    assert shard_files(export(repo, out, incremental=True).manifest)[0] == "alias.parquet"
+    (out / "train" / "alias.parquet").symlink_to(out / shard_files(first)[0])
+    edit_manifest(out, file="train/alias.parquet")
+    assert shard_files(export(repo, out, incremental=True).manifest)[0] == "train/alias.parquet"
 
 
 def test_a_manifest_that_is_a_link_is_refused(repo: Repository, tmp_path: Path) -> None:
@@ -113,10 +113,12 @@ def killed_first_export(clean: Path, out: Path) -> list[str]:
     private = out / ".tmp-export-0123456789abcdef"
     private.mkdir(parents=True)
     first, second = shard_files(json.loads((clean / MANIFEST).read_bytes()))[:2]
+    (out / "train").mkdir()
     (out / first).write_bytes((clean / first).read_bytes())
-    (private / second).write_bytes((clean / second).read_bytes()[:100])
-    (out / f".tmp-4242-{second}").write_bytes(b"PAR1")
-    return sorted(p.name for p in out.iterdir())
+    second_name = second.removeprefix("train/")
+    (private / second_name).write_bytes((clean / second).read_bytes()[:100])
+    (out / f".tmp-4242-{second_name}").write_bytes(b"PAR1")
+    return sorted([".tmp-export-0123456789abcdef", f".tmp-4242-{second_name}", first])
 
 
 def test_a_killed_first_export_is_written_again_from_the_start(
@@ -135,7 +137,9 @@ def test_a_killed_first_export_is_written_again_from_the_start(
     result = export(repo, out, shard_bytes=2_000)
     assert sorted(result.removed) == left
     assert comparable(result.manifest) == comparable(clean)
-    assert tree(out) | {MANIFEST: b""} == tree(tmp_path / "clean") | {MANIFEST: b""}
+    # Each says where it is (how-to-load.txt) and when it was written (the manifest).
+    differ = {MANIFEST: b"", "how-to-load.txt": b""}
+    assert tree(out) | differ == tree(tmp_path / "clean") | differ
 
 
 def test_stale_temporaries_are_removed_never_through_a_link_and_only_ours(
@@ -178,7 +182,7 @@ def test_a_second_export_into_a_folder_being_written_is_refused(
     with Workspace(out, first=True), pytest.raises(ValueError, match="another export is writing"):
         export(repo, out)
     assert list(out.iterdir()) == []  # the first one's private folder, removed at its end
-    assert shard_files(export(repo, out).manifest) == ["train-00000.parquet"]
+    assert shard_files(export(repo, out).manifest) == ["train/train-00000.parquet"]
 
 
 def test_a_folder_given_as_a_link_is_written_where_it_points(
@@ -189,5 +193,8 @@ def test_a_folder_given_as_a_link_is_written_where_it_points(
     manifest = first_export(repo, tmp_path / "link").manifest
     assert (tmp_path / "link").is_symlink()
     assert sorted(p.name for p in (tmp_path / "real").iterdir()) == sorted(
-        [MANIFEST, *shard_files(manifest)]
+        [MANIFEST, "how-to-load.txt", "train"]
+    )
+    assert [f"train/{p.name}" for p in (tmp_path / "real" / "train").iterdir()] == shard_files(
+        manifest
     )

@@ -28,9 +28,9 @@ from eaglegen.report.stats import Scope, collect, coverage, run_tokenizer
 from eaglegen.report.status import status_document, status_view
 from exporter.conversations import SPECFORGE
 from exporter.export import ExportRequest, prepare, run_export
-from exporter.manifest import CONVERSATIONS, MANIFEST, TOKENS, Options
+from exporter.layouts import CONVERSATIONS, JSONL, TOKENS
+from exporter.manifest import MANIFEST, Options
 from exporter.rows import INVALID, Filters
-from exporter.writers import JSONL
 from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
 from models.repository import Repository, RunMismatchError
 from models.schema import Dataset, Run
