@@ -15,7 +15,8 @@ from typing import Any
 import orjson
 
 from core.anatomy import valid
-from exporter.conversations import Prompt, Turn, conversation, decode_turn, document
+from core.turns import Prompt, Turn, decode_turn
+from exporter.conversations import conversation, document
 from exporter.manifest import Options
 from exporter.roundtrip import Check, RoundTrips, check, failed, turn_end
 from exporter.rows import NO_LOSS, NOT_EXACT, removal

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from core.anatomy import Markers
-from exporter.conversations import MODELOPT, SPECFORGE, Prompt, decode_turn, document
+from core.turns import Prompt, decode_turn
+from exporter.conversations import MODELOPT, SPECFORGE, document
 from exporter.roundtrip import (
     OUTPUT,
     PROBE,
