@@ -303,7 +303,10 @@ def _run(
         MofNCompleteColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console(stderr=True), transient=True, disable=quiet) as bar:
+    stderr = console(stderr=True)
+    # Off the terminal a transient bar leaves only a blank line behind.
+    shown = not quiet and stderr.is_terminal
+    with Progress(*columns, console=stderr, transient=True, disable=not shown) as bar:
         task = bar.add_task(f"export {inline(run.name)}", total=total or None)
         return run_export(
             repo, request, run, previous, lambda n: bar.advance(task, n), tokenizer=tokenizer

@@ -249,3 +249,29 @@ def test_an_export_says_in_one_line_what_an_unfinished_one_left_and_it_removed(
     )
     assert exported.startswith("exported 0 row(s)")
     assert victim.read_text() == "mine" and not (out / "manifest.json").is_symlink()
+
+
+def test_each_layout_prints_how_to_load_it_and_writes_it_beside_the_manifest(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    recorded_run(repo, {"d": [(4, 6, "stop")] * 8})
+    env = service_env(settings)
+    for consumer, loads in [
+        ("specforge", f"  prompts_path: {tmp_path / 'sf' / 'train' / 'train.jsonl'}"),
+        ("speculators", f"  speculators train --data-path {tmp_path / 'sf' / 'train'}"),
+        ("hf", "load_dataset('parquet', data_dir="),
+    ]:
+        out = tmp_path / consumer
+        loads = loads.replace(str(tmp_path / "sf"), str(out))
+        done = eaglegen("export", "run", str(out), "--for", consumer, env=env)
+        assert done.returncode == 0, done.stderr
+        assert loads in done.stdout
+        assert (out / "how-to-load.txt").read_text() == done.stdout
+        assert done.stderr.startswith("exported 8 row(s) (train 8) in 1 new shard(s)")
+    refused = eaglegen(
+        "export", "run", str(tmp_path / "x"), "--for", "speculators", "--format",
+        "conversations", env=env,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "vLLM /render server" in one_line_error(refused.stderr)
+    assert not (tmp_path / "x").exists()
