@@ -188,6 +188,7 @@ def _write(
             options.writer,
             request.shard_bytes,
             before.get(whole_name(options.writer, split)),
+            options.seed,
         )
         for split in (TRAIN, VAL)
     }
@@ -215,7 +216,7 @@ def _write(
     seen = {i: t for i, t in seen.items() if t >= since}
     context = _Context(run, request, previous, tally, shards, since, seen, scan.started_at)
     document = _manifest(repo, context, trips, tokenizer)
-    usage = how_to_load(request.out, options, document["shards"])
+    usage = how_to_load(request.out, options, document)
     folder.write(USAGE, usage.encode())
     folder.write(MANIFEST, encode(document))
     return ExportResult(shards, tally, document, trips, folder.removed, usage)
@@ -261,16 +262,14 @@ def _export_one(
         return gen
     split = split_of(gen.job_id, options.seed, options.val_fraction)
     writers[split].add(selected)
-    cut = selected.cut if isinstance(selected, TokenRow) else _longer(gen, options)
-    tally.exported(gen.dataset, split, cut=cut)
+    if isinstance(selected, TokenRow):
+        cut, length = selected.cut, selected.seq_len
+    else:  # a conversation, kept whole: a trainer cutting at --max-len cuts it
+        length = (len(gen.prompt_packed) + len(gen.output_packed)) // 4
+        max_len = options.filters.max_len
+        cut = max_len is not None and length > max_len
+    tally.exported(gen.dataset, split, cut=cut, length=length)
     return gen
-
-
-def _longer(gen: ExportedGeneration, options: Options) -> bool:
-    """Whether a trainer cutting at --max-len cuts this conversation (it is kept whole)."""
-    max_len = options.filters.max_len
-    total = (len(gen.prompt_packed) + len(gen.output_packed)) // 4
-    return max_len is not None and total > max_len
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,17 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
+def sha256_of_files(files: list[Path]) -> str:
+    """The sha256 of the ``<sha256>  <name>`` lines of ``files`` (all in one folder)."""
+    lines = [f"{sha256_file(f)}  {f.name}\n" for f in sorted(files)]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def size_of_files(files: list[Path]) -> int:
+    """Bytes of ``files``."""
+    return sum(f.stat().st_size for f in files)
+
+
 def size_of(path: Path) -> int:
     """Bytes of a file, or of all files in a folder."""
     if not path.is_dir():

@@ -242,14 +242,14 @@ class Workspace:
             raise OSError(f"{folder} was replaced during the export: run it again")
         return folder
 
-    def publish(self, name: str, split: str | None = None) -> None:
+    def publish(self, name: str, split: str | None = None, *, as_name: str | None = None) -> None:
         """Move the complete ``name`` (a file or a folder) from the private folder into OUT,
-        or into ``split``'s folder there, under the same name, durably: synced before the
-        rename makes it visible."""
+        or into ``split``'s folder there, under the same name or ``as_name``, durably:
+        synced before the rename makes it visible."""
         into = self._out_fd if split is None else self._split(split, make=True)
         assert into is not None
         sync_tree(self._fd, name)
-        os.replace(name, name, src_dir_fd=self._fd, dst_dir_fd=into)
+        os.replace(name, as_name or name, src_dir_fd=self._fd, dst_dir_fd=into)
         os.fsync(into)
 
     def install(self, split: str) -> None:
@@ -273,6 +273,13 @@ class Workspace:
         with self.create(name) as handle:
             handle.write(data)
         self.publish(name)
+
+    def write_in(self, split: str, name: str, data: bytes) -> None:
+        """Replace ``name`` in ``split``'s folder in OUT by ``data``, as ``write`` does."""
+        staged = f"{split}-{name}"
+        with self.create(staged) as handle:
+            handle.write(data)
+        self.publish(staged, split, as_name=name)
 
     def discard(self, name: str) -> None:
         """Remove ``name`` from the private folder."""

@@ -19,6 +19,7 @@ class DatasetTally:
     splits: dict[str, int] = field(default_factory=dict)
     removed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REMOVALS, 0))
     cut: int = 0  # exported, but cut to --max-len
+    longest: int = 0  # ids in the longest exported row (what a trainer's max length must hold)
 
     def document(self) -> dict[str, Any]:
         """As the manifest writes it."""
@@ -28,6 +29,7 @@ class DatasetTally:
             "splits": dict(sorted(self.splits.items())),
             "removed": dict(self.removed),
             "cut_to_max_len": self.cut,
+            "longest_row": self.longest,
         }
 
     @classmethod
@@ -40,6 +42,7 @@ class DatasetTally:
             splits={str(k): int(v) for k, v in doc["splits"].items()},
             removed=removed,
             cut=int(doc["cut_to_max_len"]),
+            longest=int(doc.get("longest_row", 0)),
         )
 
     def add(self, other: DatasetTally) -> None:
@@ -47,6 +50,7 @@ class DatasetTally:
         self.read += other.read
         self.exported += other.exported
         self.cut += other.cut
+        self.longest = max(self.longest, other.longest)
         for split, n in other.splits.items():
             self.splits[split] = self.splits.get(split, 0) + n
         for reason, n in other.removed.items():
@@ -63,9 +67,10 @@ class Tally:
         """The counts of ``dataset`` (zero when it has none yet)."""
         return self.datasets.setdefault(dataset, DatasetTally())
 
-    def exported(self, dataset: str, split: str, *, cut: bool) -> None:
-        """Count one exported row."""
+    def exported(self, dataset: str, split: str, *, cut: bool, length: int = 0) -> None:
+        """Count one exported row of ``length`` ids."""
         counts = self.of(dataset)
+        counts.longest = max(counts.longest, length)
         counts.read += 1
         counts.exported += 1
         counts.splits[split] = counts.splits.get(split, 0) + 1

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from exporter.columns import SCHEMA, jsonl_line, record_batch
-from exporter.files import sha256_of, size_of
+from exporter.files import sha256_of, sha256_of_files, size_of, size_of_files
 from exporter.folder import SHARD, Workspace
 from exporter.layouts import (
     HF_DATASET,
@@ -46,7 +46,7 @@ SUFFIXES = {PARQUET: ".parquet", JSONL: ".jsonl", HF_DATASET: ""}
 BATCH_BYTES = 8 << 20
 _MIN_BATCH_BYTES = 16 << 10
 _COPY_CHUNK = 1 << 20
-_SAVED_DATA = re.compile(r"data-\d{5}-of-\d{5}\.arrow")
+_SAVED_DATA = re.compile(r"data-\d{5}-of-\d{5}\.arrow")  # as `datasets` names them
 
 
 @dataclass(frozen=True)
@@ -140,16 +140,14 @@ class _JsonlSink:
 class _ArrowDirSink:
     """A `datasets` ``save_to_disk`` folder, built at close from an Arrow stream file that
     the batches were appended to (``Dataset.from_file`` maps it instead of reading it).
-    ``torch``: saved in torch format (what speculators' trainer reads), after the rows of
-    ``before`` (the split's Dataset as the previous export left it) when there is one."""
+    ``torch_seed``: a speculators Dataset, its rows shuffled by that seed (speculators holds
+    out the folder's last rows for validation: they must be a sample) and saved in torch
+    format."""
 
-    def __init__(
-        self, folder: Workspace, name: str, *, torch: bool = False, before: Path | None = None
-    ) -> None:
+    def __init__(self, folder: Workspace, name: str, *, torch_seed: int | None = None) -> None:
         self._folder = folder
         self._name = name
-        self._torch = torch
-        self._before = before
+        self._torch_seed = torch_seed
         self._stream = f"{name}.arrow"
         self._file = folder.create(self._stream)
         self._writer = pa.ipc.new_stream(self._file, SCHEMA)
@@ -163,14 +161,11 @@ class _ArrowDirSink:
     def close(self) -> None:
         self.discard()
         try:
-            # `datasets` opens by path: inside the private folder (checked), and the
-            # split's folder in OUT that this pass holds open (checked).
-            _save_to_disk(
-                self._folder.path(self._stream),
-                self._folder.path(self._name),
-                torch=self._torch,
-                before=self._before,
-            )
+            # `datasets` opens by path: both inside the private folder (checked).
+            target = self._folder.path(self._name)
+            _save_to_disk(self._folder.path(self._stream), target, self._torch_seed)
+            if self._torch_seed is not None:
+                _in_torch_format(target)
         finally:
             self._folder.discard(self._stream)
 
@@ -181,41 +176,41 @@ class _ArrowDirSink:
             self._file.close()
 
 
-def _save_to_disk(
-    stream_path: Path, folder: Path, *, torch: bool = False, before: Path | None = None
-) -> None:
-    """The Arrow stream file (after the Dataset at ``before``) as a `save_to_disk` folder,
-    in torch format if ``torch``, without progress bars."""
-    from datasets import Dataset, concatenate_datasets
+def _save_to_disk(stream_path: Path, folder: Path, shuffle_seed: int | None = None) -> None:
+    """The Arrow stream file as a `save_to_disk` folder (its rows shuffled by
+    ``shuffle_seed``), without progress bars."""
+    from datasets import Dataset
     from datasets.utils import logging as ds_logging
 
     was_enabled = ds_logging.is_progress_bar_enabled()
     ds_logging.disable_progress_bar()
     try:
         dataset = Dataset.from_file(str(stream_path))
-        if before is not None:
-            dataset = concatenate_datasets([*_saved_tables(before), dataset])
+        if shuffle_seed is not None:
+            dataset = dataset.shuffle(seed=shuffle_seed)
         dataset.save_to_disk(str(folder))
         del dataset  # it maps the stream file, which is removed next
     finally:
         if was_enabled:
             ds_logging.enable_progress_bar()
-    if torch:
-        _in_torch_format(folder)
 
 
-def _saved_tables(folder: Path) -> list[Any]:
-    """The Arrow files of a saved Dataset, each as a Dataset without format (what
-    ``load_from_disk`` would map, but it sets the recorded torch format, which needs
-    torch)."""
-    from datasets import Dataset
+def _state(handle: BinaryIO) -> dict[str, Any]:
+    """A saved Dataset's ``state.json``, its data files checked to be names it saves."""
+    with handle:
+        state: dict[str, Any] = json.loads(handle.read())
+    for entry in state["_data_files"]:
+        if not _SAVED_DATA.fullmatch(entry["filename"]):
+            raise ValueError(f"a saved Dataset's state.json names {entry['filename']!r}")
+    return state
 
-    state = json.loads((folder / "state.json").read_bytes())
-    names = [entry["filename"] for entry in state["_data_files"]]
-    for name in names:
-        if not _SAVED_DATA.fullmatch(name):
-            raise ValueError(f"{folder / 'state.json'} names {name!r}, not a file it saves")
-    return [Dataset.from_file(str(folder / name)) for name in names]
+
+def dataset_files(folder: Path) -> list[Path]:
+    """The files of the saved Dataset at ``folder`` (what others keep there, such as
+    speculators' hidden states, aside)."""
+    state = _state((folder / "state.json").open("rb"))
+    names = ["dataset_info.json", "state.json", *(e["filename"] for e in state["_data_files"])]
+    return [folder / name for name in names]
 
 
 def _in_torch_format(folder: Path) -> None:
@@ -266,10 +261,12 @@ class SplitWriter:
         kind: str,
         shard_bytes: int,
         before: Shard | None = None,
+        seed: int = 0,
     ) -> None:
         self.folder = folder
         self.split = split
         self.kind = kind
+        self.seed = seed
         self.whole = kind in WHOLE
         self.shard_bytes = shard_bytes
         self.batch_bytes = max(min(BATCH_BYTES, shard_bytes // 4), _MIN_BATCH_BYTES)
@@ -317,31 +314,54 @@ class SplitWriter:
             return _JsonlSink(folder.create(name))
         if self.kind == HF_DATASET:
             return _ArrowDirSink(folder, name)
-        kept = self._before is not None
         if self.kind == JSONL_FILE:
             folder.mkdir(self.split)
+            kept = self._before is not None
             before = folder.read(self.split, f"{self.split}.jsonl") if kept else None
             return _CopySink(folder.create(name), before)
         assert self.kind == TORCH_DATASET
-        before_path = folder.published(self.split) if kept else None
-        return _ArrowDirSink(folder, name, torch=True, before=before_path)
+        return _ArrowDirSink(folder, name, torch_seed=self.seed)
 
     def _complete(self) -> None:
         assert self._sink is not None
         self._sink.close()
         self._sink = None
         name = self._name()
-        written = self.folder.path(name)
         rows = self._rows + (0 if self._before is None else self._before.rows)
-        file = name if self.whole else f"{self.split}/{name}"
-        shard = Shard(file, self.split, rows, size_of(written), sha256_of(written))
-        if self.whole:
-            self.folder.install(self.split)
+        if self.kind == TORCH_DATASET:
+            if self._before is not None:
+                self._append_dataset()
+            else:
+                self.folder.install(self.split)
+            files = dataset_files(self.folder.published(self.split))
+            shard = Shard(name, self.split, rows, size_of_files(files), sha256_of_files(files))
         else:
-            self.folder.publish(name, self.split)
+            written = self.folder.path(name)
+            file = name if self.whole else f"{self.split}/{name}"
+            shard = Shard(file, self.split, rows, size_of(written), sha256_of(written))
+            if self.whole:
+                self.folder.install(self.split)
+            else:
+                self.folder.publish(name, self.split)
         self.shards.append(shard)
         self._index += 1
         self._rows = 0
+
+    def _append_dataset(self) -> None:
+        """Add the rows of this pass, saved as a Dataset in the private folder, to the
+        split's Dataset in OUT: their Arrow file goes in beside the old ones, then a
+        ``state.json`` listing it replaces the old (one rename: a reader sees the old rows
+        or all of them). The old rows keep their places, and what speculators keeps in the
+        folder (hidden states saved by row index) stays."""
+        state = _state(self.folder.read(self.split, "state.json"))
+        files = state["_data_files"]
+        added = f"data-{len(files):05d}-of-{len(files) + 1:05d}.arrow"
+        new = _state(self.folder.path(f"{self.split}/state.json").open("rb"))
+        [saved] = new["_data_files"]
+        self.folder.publish(f"{self.split}/{saved['filename']}", self.split, as_name=added)
+        state["_data_files"] = [*files, {"filename": added}]
+        state["_fingerprint"] = new["_fingerprint"]
+        self.folder.write_in(self.split, "state.json", json.dumps(state, indent=2).encode())
 
     def finish(self) -> list[Shard]:
         """Write what is buffered and end the last file; every file written (none for a

@@ -12,7 +12,7 @@ import datasets
 import pytest
 
 from exporter.export import ExportRequest, ExportResult, prepare, run_export
-from exporter.files import sha256_of
+from exporter.files import sha256_of, sha256_of_files
 from exporter.layouts import (
     CONVERSATIONS,
     HF,
@@ -87,7 +87,8 @@ def test_specforge_writes_one_file_per_split_and_an_incremental_export_extends_i
     assert_rows_are_the_database(repo, [r | r["metadata"] for r in train + val])
     assert [s["file"] for s in first.manifest["shards"]] == ["train/train.jsonl", "val/val.jsonl"]
     usage = (out / USAGE).read_text()
-    assert f"prompts_path: {out.resolve() / 'train/train.jsonl'}" in usage
+    assert f"  prompts_path: {out.resolve() / 'train/train.jsonl'}\n  max_length: 10\n" in usage
+    assert "reads no validation file online" in usage
     assert first.usage == usage
 
     old_train = (out / "train/train.jsonl").read_bytes()
@@ -106,7 +107,7 @@ def test_specforge_writes_one_file_per_split_and_an_incremental_export_extends_i
     assert [p.name for p in out.iterdir() if p.name.startswith(".tmp-")] == []
 
 
-def test_speculators_writes_a_torch_dataset_per_split_and_an_incremental_export_rebuilds_it(
+def test_speculators_writes_a_torch_dataset_per_split_and_an_incremental_export_adds_to_it(
     repo: InspectRepository, tmp_path: Path
 ) -> None:
     recorded_run(repo, {"a": [(4, 6, "stop")] * 12})
@@ -116,16 +117,30 @@ def test_speculators_writes_a_torch_dataset_per_split_and_an_incremental_export_
     rows = saved(out / "train")
     assert len(rows) == 12
     assert_rows_are_the_database(repo, rows)
+    assert [r["id"] for r in rows] != sorted(r["id"] for r in rows)  # shuffled by the seed
+    assert [r["id"] for r in saved_again(repo, tmp_path)] == [r["id"] for r in rows]
     assert f"--data-path {out.resolve() / 'train'}" in first.usage
+    # What speculators keeps in the folder: hidden states saved by row index.
+    (out / "train" / "hidden_states").mkdir()
+    (out / "train" / "hidden_states" / "hs_0.safetensors").write_bytes(b"row 0")
 
     recorded_run(repo, {"b": [(5, 7, "stop")] * 5})
     second = export(repo, out, SPECULATORS, incremental=True).manifest
-    rows = saved(out / "train")
-    assert len(rows) == 17 == second["rows"] == second["shards"][0]["rows"]
-    assert [r["id"] for r in rows][:12] == sorted(r["id"] for r in rows[:12])  # old rows first
-    assert_rows_are_the_database(repo, rows)
-    assert second["shards"][0]["sha256"] == sha256_of(out / "train")
+    grown = saved(out / "train")
+    assert len(grown) == 17 == second["rows"] == second["shards"][0]["rows"]
+    assert grown[:12] == rows  # the old rows keep their places
+    assert_rows_are_the_database(repo, grown)
+    assert (out / "train" / "hidden_states" / "hs_0.safetensors").read_bytes() == b"row 0"
+    files = [out / "train" / n for n in ("dataset_info.json", "state.json")]
+    files += [out / "train" / f"data-0000{i}-of-0000{i + 1}.arrow" for i in range(2)]
+    assert second["shards"][0]["sha256"] == sha256_of_files(files)
     assert sorted(p.name for p in out.iterdir()) == [USAGE, MANIFEST, "train"]
+
+
+def saved_again(repo: InspectRepository, tmp_path: Path) -> list[dict[str, Any]]:
+    """The rows of a second export of the same run with the same seed."""
+    export(repo, tmp_path / "again", SPECULATORS)
+    return saved(tmp_path / "again" / "train")
 
 
 def test_modelopt_writes_its_conversation_file_per_split(

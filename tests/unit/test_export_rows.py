@@ -130,8 +130,8 @@ def test_the_split_is_deterministic_by_seed_and_id_and_near_the_fraction() -> No
 
 def test_the_tally_counts_per_dataset_and_survives_the_manifest() -> None:
     tally = Tally()
-    tally.exported("a", TRAIN, cut=True)
-    tally.exported("a", VAL, cut=False)
+    tally.exported("a", TRAIN, cut=True, length=12)
+    tally.exported("a", VAL, cut=False, length=30)
     tally.removed("a", TRUNCATED)
     tally.removed("b", NO_LOSS)
     doc = tally.document({"c": 5})
@@ -141,10 +141,12 @@ def test_the_tally_counts_per_dataset_and_survives_the_manifest() -> None:
         "splits": {TRAIN: 1, VAL: 1},
         "removed": {TRUNCATED: 1, SHORT: 0, INVALID: 0, NO_LOSS: 0, NOT_EXACT: 0},
         "cut_to_max_len": 1,
+        "longest_row": 30,
     }
     assert doc["c"]["removed"] == {"datasets": 5}
     again = Tally.from_document(doc).merged(tally)
     assert again.of("a").exported == 4 and "c" not in again.datasets
+    assert again.of("a").longest == 30
     assert again.document()["b"]["removed"][NO_LOSS] == 2
 
 
