@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.sim.forward import StepCosts
 from eaglegen.sim.scheduler import (
     CLIP_MAX_NEW_TOKENS,
     NEW_TOKEN_RATIO_DECAY_STEPS,
@@ -233,7 +234,9 @@ class SimConfig:
     # Decode step = base + per_request * running batch; with 64 running that is ~14 ms.
     decode_step_ms: float = 4.0
     decode_ms_per_request: float = 0.15
+    # Prefill pass = prefill_step_ms + tokens / prefill_tokens_per_ms (eaglegen.sim.forward).
     prefill_tokens_per_ms: float = 50.0
+    prefill_step_ms: float = 0.0
     # Natural output length (before any max_new_tokens cut): log-normal mean, hard upper bound.
     mean_output_tokens: int = 300
     max_output_tokens: int = 4096
@@ -263,6 +266,7 @@ class SimConfig:
         _require(self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1")
         _require(self.decode_step_ms >= 0 and self.decode_ms_per_request >= 0, "timing >= 0")
         _require(self.prefill_tokens_per_ms > 0, "prefill_tokens_per_ms must be > 0")
+        _require(self.prefill_step_ms >= 0, "prefill_step_ms must be >= 0")
         _require(self.mean_output_tokens >= 1, "mean_output_tokens must be >= 1")
         _require(self.max_output_tokens >= 16, "max_output_tokens must be >= 16")
         _require(0.0 < self.output_length_sigma <= 3.0, "output_length_sigma must be in (0, 3]")
@@ -282,6 +286,15 @@ class SimConfig:
             new_token_ratio_decay_steps=self.new_token_ratio_decay_steps,
             clip_max_new_tokens=self.clip_max_new_tokens,
             retract_decode_steps=self.retract_decode_steps,
+        )
+
+    def step_costs(self) -> StepCosts:
+        """What each forward pass costs on the engine's clock."""
+        return StepCosts(
+            decode_step_ms=self.decode_step_ms,
+            decode_ms_per_request=self.decode_ms_per_request,
+            prefill_tokens_per_ms=self.prefill_tokens_per_ms,
+            prefill_step_ms=self.prefill_step_ms,
         )
 
     @property

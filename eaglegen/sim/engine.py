@@ -355,9 +355,9 @@ def max_request_tokens(context_length: int, kv_tokens: int) -> int:
     return min(context_length - 1, kv_tokens - 1)
 
 
-def prefill_seconds(tokens: int, tokens_per_ms: float) -> float:
-    """Time to prefill this many uncached prompt tokens."""
-    return tokens / tokens_per_ms / 1000.0
+def prefill_seconds(tokens: int, tokens_per_ms: float, base_ms: float = 0.0) -> float:
+    """Time of a prefill pass computing this many uncached tokens, with its fixed part."""
+    return (base_ms + tokens / tokens_per_ms) / 1000.0
 
 
 def decode_seconds(batch: int, base_ms: float, per_request_ms: float) -> float:

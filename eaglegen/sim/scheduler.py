@@ -13,18 +13,21 @@ Taken from SGLang (python/sglang/srt):
   decays by `(init - min) / steps` per decode step without retraction, is set to
   `min(1, (decoded + RETRACT_DECODE_STEPS * n) / (max_new + 1))` over the survivors after a
   retraction, and is reset to init when the server goes idle.
-- `managers/schedule_batch.py` `check_decode_mem` / `retract_decode`: a decode step needs one
-  free slot per running request, evicting the radix cache first; short of that, requests are
-  retracted, fewest output tokens then longest input first (sort by `(len(output_ids),
-  -len(origin_input_ids))`, reversed, pop), at least one, until `RETRACT_DECODE_STEPS` (20) slots
-  per survivor are free. A retracted request keeps its output, frees its KV without caching it,
-  goes back to the waiting queue and is prefilled again (prompt + output so far): wasted work.
+- `managers/schedule_batch.py` `check_decode_mem` / `retract_decode` / `release_req`: a decode
+  step needs one free slot per running request, evicting the radix cache first; short of that,
+  requests are retracted one at a time, fewest output tokens then longest input first (sort by
+  `(len(output_ids), -len(origin_input_ids))`, reversed, pop), at least one, until the next step
+  fits; after each, up to `RETRACT_DECODE_STEPS` (20) slots per remaining request are evicted from
+  the cache. A retracted request keeps its output, frees its KV without caching it
+  (`is_insert=False`) and goes to the back of the waiting queue (`_add_request_to_queue(req,
+  is_retracted=True)`); `eaglegen.sim.forward` says what it costs.
 - `process_batch_result_prefill` (`cache_unfinished_req`) and `cache_finished_req`: after its
   prefill a request's prompt enters the tree so later requests match it; when it finishes its
   whole sequence does.
 
-Time is not simulated here: callers price a prefill batch and a decode step (`step_costs`) and
-pass a clock for queue times, so tests drive the scheduler step by step with a fake clock.
+Time is not simulated here: `eaglegen.sim.forward` prices each forward pass, and callers pass a
+clock for queue times and latencies, so tests drive the scheduler pass by pass on a clock of
+their own (the engine's: the sum of the passes' costs).
 """
 
 from __future__ import annotations
@@ -139,6 +142,10 @@ class Job:
     finish_step: int = 0
     node: Node | None = None
     enqueued_at: float = 0.0
+    # First submission and finish, on the scheduler's clock: the e2e latency spans every wait
+    # in the queue (a retracted job waits again) and every prefill.
+    arrived_at: float = 0.0
+    finished_at: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -153,6 +160,11 @@ class Job:
     def sequence(self, outputs: int) -> list[int]:
         """The prompt followed by the first `outputs` output tokens."""
         return [*self.input_ids, *self.completion.output_ids[:outputs]]
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from submission to finish on the scheduler's clock; None until done."""
+        return None if self.finished_at is None else self.finished_at - self.arrived_at
 
 
 @dataclass(frozen=True)
@@ -307,6 +319,7 @@ class Scheduler:
         self._next_key += 1
         job.key = self._next_key
         self._enqueue(job)
+        job.arrived_at = job.enqueued_at
 
     def _enqueue(self, job: Job) -> None:
         """Put a job at the back of the waiting queue (SGLang appends retracted ones too)."""
@@ -461,7 +474,10 @@ class Scheduler:
         return self.available_tokens >= need
 
     def _retract(self) -> list[Job]:
-        """retract_decode: free the jobs with the fewest outputs and longest prompts first."""
+        """retract_decode: free the jobs with the fewest outputs and longest prompts first, one
+        at a time until the next step fits; release_req evicts, after each, up to
+        retract_decode_steps slots per remaining job from the cache (usually the retracted
+        job's own prompt, unlocked by its release), so the batch has room for a few steps."""
         order = sorted(
             self._decoding.values(),
             key=lambda j: (self.generated(j), -j.prompt_tokens),
@@ -469,10 +485,11 @@ class Scheduler:
         )
         steps = self.config.retract_decode_steps
         out: list[Job] = []
-        while len(order) > 1 and (not out or not self._fits(len(order) * steps)):
+        while len(order) > 1 and (not out or not self._fits(len(order))):
             job = order.pop()
             self._release(job)
             out.append(job)
+            self._fits(len(order) * steps)  # evict_from_tree_cache, whatever it reaches
         if not self._fits(len(order)):
             raise RuntimeError("out of KV even after retracting all other requests")
         decoded = sum(self.generated(j) for j in order)
@@ -522,6 +539,7 @@ class Scheduler:
         self.cache.insert(job.sequence(job.output_tokens))
         self._drop(job)
         job.state = RequestState.DONE
+        job.finished_at = self.clock()
         if job.count_in_metrics:
             self.totals.prompt_tokens += job.prompt_tokens
             self.totals.generation_tokens += job.output_tokens

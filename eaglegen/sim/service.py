@@ -23,12 +23,11 @@ from eaglegen.sim.engine import (
     Completion,
     OutputShape,
     ThroughputMeter,
-    decode_seconds,
     generate,
-    prefill_seconds,
     stream_due,
 )
 from eaglegen.sim.faults import FaultInjector
+from eaglegen.sim.forward import EngineTime, begin_pass, end_pass
 from eaglegen.sim.protocol import GenerateItem, Limits, ids_for_text
 from eaglegen.sim.scheduler import Job, RequestState, Scheduler
 from eaglegen.sim.tools import ToolCallWriter
@@ -92,8 +91,14 @@ class SimService:
         size = self.layout.vocab_size
         self.limits = Limits(size, config.context_length, config.kv_tokens, config.seed)
         self.scheduler = Scheduler(config.scheduler_config())
-        # Simulated seconds the steps took (before time_scale): the model's own clock.
-        self.sim_seconds = 0.0
+        self.costs = config.step_costs()
+        # Simulated seconds the passes took (before time_scale): the model's own clock.
+        self.engine_time = EngineTime()
+        # Latency of finished requests on the engine's clock (engine seconds at submission by
+        # job key): unlike the wall-clock e2e histogram, it does not depend on time_scale or on
+        # how well the host keeps pace.
+        self.engine_e2e = metrics.Histogram()
+        self._arrived: dict[int, float] = {}
         self.meter = ThroughputMeter()
         self.e2e = metrics.Histogram()
         self.faults = FaultInjector(config.faults)
@@ -145,37 +150,34 @@ class SimService:
             await self._one_round(clock)
 
     async def _one_round(self, clock: _StepClock) -> None:
-        """One forward pass, as SGLang's event loop picks it: a prefill batch when a waiting
-        request may start, else one decode step of the running batch."""
-        cfg, scheduler = self.config, self.scheduler
-        batch = scheduler.admit()
-        if batch is not None:
-            await self._spend(
-                clock, prefill_seconds(batch.extend_tokens, cfg.prefill_tokens_per_ms)
-            )
-            self._resolve(scheduler.finish_prefill(batch))
-            self._release_chunks()
+        """One forward pass, as SGLang's event loop picks it (`eaglegen.sim.forward`): a prefill
+        batch when a waiting request may start, else one decode step of the running batch. A
+        retracted stream just pauses: its next chunk comes after its re-prefill."""
+        scheduler = self.scheduler
+        forward = begin_pass(scheduler, self.costs)
+        if forward.prefill is None and not forward.decoded:
+            if not forward.retracted:
+                # Defensive: work exists yet nothing can move; never spin.
+                await asyncio.sleep(0.001)
             return
-        # A retracted stream just pauses: its next chunk comes after its re-prefill.
-        plan = scheduler.prepare_decode()
-        if plan.batch:
-            step = decode_seconds(plan.batch, cfg.decode_step_ms, cfg.decode_ms_per_request)
-            await self._spend(clock, step)
-            self._resolve(scheduler.decode_step())
-            self._release_chunks()
+        self.engine_time.add(forward)
+        await clock.advance(forward.seconds * self.config.time_scale)
+        self._resolve(end_pass(scheduler, forward))
+        self._release_chunks()
+        if forward.decoded:
             self.meter.record(time.monotonic(), scheduler.tokens_generated)
-        elif not plan.retracted:
-            # Defensive: work exists yet nothing can move; never spin.
-            await asyncio.sleep(0.001)
 
-    async def _spend(self, clock: _StepClock, seconds: float) -> None:
-        """Let a forward pass of `seconds` simulated time go by, scaled to wall time."""
-        self.sim_seconds += seconds
-        await clock.advance(seconds * self.config.time_scale)
+    @property
+    def sim_seconds(self) -> float:
+        """Simulated seconds the passes took (before time_scale)."""
+        return self.engine_time.total
 
     def _resolve(self, jobs: list[Job]) -> None:
         """Wake the handlers of finished jobs."""
         for job in jobs:
+            arrived = self._arrived.pop(job.key, None)
+            if arrived is not None and job.count_in_metrics:
+                self.engine_e2e.observe(self.engine_time.total - arrived)
             future = self._futures.pop(job.key, None)
             if future is not None and not future.done():
                 future.set_result(None)
@@ -242,12 +244,14 @@ class SimService:
         done_all.add_done_callback(_retrieve)
         for job in jobs:
             self._futures.pop(job.key, None)
+            self._arrived.pop(job.key, None)
             self.scheduler.abort(job)
         return False
 
     def _submit(self, job: Job) -> asyncio.Future[None]:
         """Queue one job and wake the step loop."""
         self.scheduler.submit(job)
+        self._arrived[job.key] = self.engine_time.total
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._futures[job.key] = future
         self._wake.set()
@@ -259,6 +263,7 @@ class SimService:
         watches = []
         for job, interval in zip(jobs, intervals, strict=True):
             self.scheduler.submit(job)
+            self._arrived[job.key] = self.engine_time.total
             watch = StreamWatch(job, interval, wake)
             self._watches[job.key] = watch
             watches.append(watch)
@@ -269,6 +274,7 @@ class SimService:
         """A stream ended (or its client left): abort what still runs and forget the watches."""
         for watch in watches:
             self._watches.pop(watch.job.key, None)
+            self._arrived.pop(watch.job.key, None)
             self.scheduler.abort(watch.job)
 
     def text(self, completion: Completion, item: GenerateItem) -> str:
@@ -307,6 +313,12 @@ class SimService:
         s = self.scheduler
         return {
             "sim_seconds": self.sim_seconds,
+            # Of which prefill passes, and the share of them that redid retracted work.
+            "prefill_seconds": self.engine_time.prefill,
+            "reprefill_seconds": self.engine_time.reprefill,
+            # Finished requests' e2e latency on the same clock: count and sum.
+            "e2e_count": self.engine_e2e.count,
+            "e2e_seconds": self.engine_e2e.total,
             "decode_steps": s.step,
             "tokens_generated": s.tokens_generated,
             "generation_tokens_total": s.totals.generation_tokens,

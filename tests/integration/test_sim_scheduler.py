@@ -26,6 +26,7 @@ TIGHT = preset(
     max_output_tokens=4096,
     decode_step_ms=0.5,
     decode_ms_per_request=0.01,
+    prefill_step_ms=0.5,
     prefill_tokens_per_ms=500.0,
     new_token_ratio_decay_steps=20,
 )
@@ -73,6 +74,10 @@ def test_overcommitted_server_retracts_and_still_answers_every_request_exactly()
     )
     assert metrics[f"sglang:num_retracted_output_tokens_total{GAUGE}"] > 0
     assert stats["reprefill_tokens"] >= metrics[f"sglang:num_retracted_output_tokens_total{GAUGE}"]
+    # The re-prefills took engine time in which nothing decoded.
+    assert 0 < stats["reprefill_seconds"] < stats["prefill_seconds"] < stats["sim_seconds"]
+    # Every request's e2e latency on the engine's clock, queue waits included.
+    assert stats["e2e_count"] == 24 and 0 < stats["e2e_seconds"] <= 24 * stats["sim_seconds"]
     # Retraction changes when tokens come, never which: outputs match a roomy server's.
     with SimServer(replace(TIGHT, kv_tokens=200_000)) as roomy:
         clean = [r.json() for r in asyncio.run(_fire(roomy.url, [call(i) for i in range(3)]))]

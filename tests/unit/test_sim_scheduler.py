@@ -330,7 +330,8 @@ def test_retraction_frees_fewest_outputs_then_longest_prompt_first() -> None:
     assert ratio == pytest.approx(
         min(1.0, (decoded + 20 * len(survivors)) / (1500 * len(survivors) + 1))
     )
-    assert s.available_tokens >= len(survivors) * 20
+    # Retracted one at a time until the next step fits (then up to 20 steps' worth evicted).
+    assert s.available_tokens >= len(survivors)
     assert s.last_retracted == len(retracted) == s.totals.retracted_requests
 
 
