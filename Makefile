@@ -69,6 +69,7 @@ bench: install
 	$(BIN)/python -m bench.export --sizes 100000 1000000
 	$(BIN)/python -m bench.export --sizes 5000 50000 --format conversations
 	$(BIN)/python -m bench.status --jobs 1000000 --repeat 5
+	$(BIN)/python -m bench.cli_startup --rounds 20 --typer --broker-url redis://127.0.0.1:6379/0
 	$(BIN)/python -m bench.stats --generations 1000000 --sample 10000
 	$(BIN)/python -m bench.sim_curve
 	$(BIN)/python -m bench.adaptive

@@ -6,14 +6,11 @@ do, instead of a driver traceback in the middle of a command.
 
 from __future__ import annotations
 
-import redis
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from core.urls import normalize_database_url, redact, scrub
-from models.db import alembic_config
+from models.db import migrations, schema_revisions
 
 CONNECT_TIMEOUT_S = 5
 
@@ -25,20 +22,19 @@ class ServiceError(ValueError):
 def check_database(url: str, *, schema: bool = True) -> None:
     """Raise ServiceError unless Postgres answers and (``schema``) its schema is at this
     eaglegen's head."""
-    script = ScriptDirectory.from_config(alembic_config(url))
-    known = {revision.revision for revision in script.walk_revisions()}
+    known, heads = migrations()
     engine = create_engine(
         normalize_database_url(url), connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
     )
     try:
         with engine.connect() as conn:
-            current = set(MigrationContext.configure(conn).get_current_heads())
+            current = schema_revisions(conn)
     except SQLAlchemyError as exc:
         reason = scrub(_first_line(exc), url)
         raise ServiceError(f"cannot use Postgres at {redact(url)}: {reason}") from exc
     finally:
         engine.dispose()
-    problem = schema_problem(current, set(script.get_heads()), known) if schema else None
+    problem = schema_problem(current, heads, known) if schema else None
     if problem is not None:
         raise ServiceError(f"Postgres at {redact(url)}: {problem}")
 
@@ -66,6 +62,8 @@ def schema_problem(current: set[str], heads: set[str], known: set[str]) -> str |
 
 def check_broker(url: str) -> None:
     """Raise ServiceError unless Redis answers a PING."""
+    import redis  # here: a command that reads Postgres only does not load the client
+
     client = redis.Redis.from_url(
         url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=CONNECT_TIMEOUT_S
     )

@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import IO, Any, NoReturn
 from urllib.parse import quote, urlsplit
 
-import redis
-
 from core.urls import password_in_userinfo
 
 STACK_FILE = "stack.json"
@@ -225,6 +223,10 @@ class EmbeddedRedis:
 
     def start(self) -> str:
         """Start redis-server as a child process and wait until it answers."""
+        # Redis's client is imported where Redis is called: every command imports this
+        # module (eaglegen.cli.base), and most never call Redis through it.
+        import redis
+
         self.dir.mkdir(parents=True, exist_ok=True)
         # Detached from our standard streams: a daemon that kept them would hold open the
         # pipe of whoever ran `eaglegen up | tail`, which then never returns.
@@ -256,6 +258,8 @@ class EmbeddedRedis:
 
 def wait_for_redis(url: str, timeout_s: float = 15.0) -> None:
     """Block until Redis at ``url`` answers PING."""
+    import redis
+
     deadline = time.monotonic() + timeout_s
     client = redis.Redis.from_url(url, socket_connect_timeout=1)
     while True:
@@ -580,6 +584,8 @@ def _url_port(url: str | None) -> int | None:
 
 
 def _redis_answers(url: str) -> bool:
+    import redis
+
     client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
     try:
         return bool(client.ping())

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
-from alembic import command
-from alembic.config import Config
 from psycopg import errors as pg_errors
 from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from core.urls import normalize_database_url
+
+# Alembic is imported to migrate only: the schema check before every command reads the
+# migration files (migrations()) and the database's revision (schema_revisions()) itself.
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -111,6 +115,8 @@ def lost_database(error: BaseException) -> str | None:
 
 def alembic_config(url: str) -> Config:
     """An Alembic config pointing at this package's migrations and ``url``."""
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     # ConfigParser interpolation would eat '%' in passwords.
@@ -120,4 +126,43 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Bring the database at ``url`` to ``revision``."""
+    from alembic import command
+
     command.upgrade(alembic_config(url), revision)
+
+
+def migrations() -> tuple[set[str], set[str]]:
+    """Every revision of this package's migrations, and the heads (those no other revises):
+    what Alembic finds, read from each file's ``revision`` and ``down_revision`` without
+    running the file."""
+    revises: dict[str, set[str]] = {}
+    for path in sorted((MIGRATIONS / "versions").glob("*.py")):
+        names = _assignments(path, ("revision", "down_revision"))
+        if isinstance(names.get("revision"), str):
+            down = names.get("down_revision")
+            revises[names["revision"]] = {down} if isinstance(down, str) else set(down or ())
+    known = set(revises)
+    return known, known - set[str]().union(*revises.values())
+
+
+def _assignments(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
+    """The literal values a module assigns to ``names`` at its top level."""
+    found: dict[str, Any] = {}
+    for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id in names:
+            found[target.id] = ast.literal_eval(value)
+    return found
+
+
+def schema_revisions(conn: Connection) -> set[str]:
+    """The revisions the database's schema is at (Alembic's version table); none without
+    that table."""
+    if conn.exec_driver_sql("SELECT to_regclass('alembic_version')").scalar() is None:
+        return set()
+    return set(conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars())

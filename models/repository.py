@@ -7,7 +7,7 @@ from operator import itemgetter
 from typing import Any
 
 import psycopg
-from sqlalchemy import Engine, and_, func, select, text, update
+from sqlalchemy import Engine, and_, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from models.audit import AuditQueries
@@ -348,17 +348,6 @@ class Repository(
                 (r.run, r.dataset): int(r.completion or 0) for r in conn.execute(completions)
             }
         return _assemble_counts(state_rows, completion_rows)
-
-    def postgres_connections(self) -> tuple[int, int]:
-        """Client connections open on the server now, and its ``max_connections``."""
-        with self.engine.connect() as conn:
-            row = conn.execute(
-                text(
-                    "SELECT count(*) FILTER (WHERE backend_type = 'client backend'),"
-                    " current_setting('max_connections')::int FROM pg_stat_activity"
-                )
-            ).one()
-        return int(row[0]), int(row[1])
 
 
 def _check_family(spec: RunSpec, recorded: str | None) -> None:

@@ -16,85 +16,144 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, Select, func, select
+from sqlalchemy import Engine, Select, column, func, select, table, text
+from sqlalchemy.dialects.postgresql import JSONB
 
 from models.ledger import BudgetBasis, ReservePolicy, reservation
 from models.records import DatasetStatus, ServerStatus, StatusSnapshot, Window
-from models.schema import Dataset, FailedAttempt, Generation, Job, Run
 from models.states import JobState
 
 # The windows rates are measured over, in seconds, shortest first; the longest bounds
 # every scan.
 WINDOWS_S = (60, 600)
+
+# The columns status reads, as plain tables named as in models.schema: `eaglegen status`
+# runs without importing the ORM (BENCHMARKS.md, "CLI start-up"); tests/unit/
+# test_schema_reads.py checks each column against models.schema.
+_RUNS = table("runs", column("id"), column("name"), column("order_seed"), column("family"))
+_DATASETS = table(
+    "datasets",
+    column("id"),
+    column("run_id"),
+    column("name"),
+    column("sampling_params", JSONB),
+    column("budget_tokens"),
+    column("budget_basis"),
+    column("used_tokens"),
+    column("reserved_tokens"),
+    column("reserve"),
+    column("observed_reserve_tokens"),
+    column("jobs_queued"),
+    column("jobs_running"),
+    column("jobs_done"),
+    column("jobs_failed"),
+    column("jobs_skipped"),
+    column("done_prompt_tokens"),
+    column("done_completion_tokens"),
+    column("first_done_at"),
+    column("last_done_at"),
+)
+_JOBS = table("jobs", column("dataset_id"), column("state"), column("published_at"))
+_GENERATIONS = table(
+    "generations",
+    column("dataset_id"),
+    column("prompt_tokens"),
+    column("completion_tokens"),
+    column("e2e_latency"),
+    column("server"),
+    column("created_at"),
+)
+_FAILED_ATTEMPTS = table(
+    "failed_attempts", column("dataset_id"), column("server"), column("kind"), column("at")
+)
 _STATE_COLUMNS = {
-    JobState.QUEUED: Dataset.jobs_queued,
-    JobState.RUNNING: Dataset.jobs_running,
-    JobState.DONE: Dataset.jobs_done,
-    JobState.FAILED: Dataset.jobs_failed,
-    JobState.SKIPPED_BUDGET: Dataset.jobs_skipped,
+    JobState.QUEUED: _DATASETS.c.jobs_queued,
+    JobState.RUNNING: _DATASETS.c.jobs_running,
+    JobState.DONE: _DATASETS.c.jobs_done,
+    JobState.FAILED: _DATASETS.c.jobs_failed,
+    JobState.SKIPPED_BUDGET: _DATASETS.c.jobs_skipped,
 }
 
 
 class StatusQueries:
-    """Mixin of the Repository: one consistent snapshot of the datasets and servers."""
+    """Mixin of the Repository: the functions below as its methods."""
 
     engine: Engine
 
     def status(self, run: str | None = None) -> StatusSnapshot:
         """Every dataset (of ``run``, or of all runs) and server, as of one instant."""
-        with self.engine.begin() as conn:  # one transaction: one now() for every figure
-            now = conn.execute(select(func.now())).scalar_one()
-            datasets = conn.execute(_datasets(run)).all()
-            recent = conn.execute(_recent_generations()).all()
-            errors = conn.execute(_recent_errors()).all()
-            published = dict(conn.execute(_published()).all())
-            seeds = dict(conn.execute(select(Run.name, Run.order_seed)).all())
-            families = dict(conn.execute(select(Run.name, Run.family)).all())
-        ours = {int(d.id) for d in datasets}
-        recent = [r for r in recent if r.dataset_id in ours]
-        errors = [e for e in errors if e.dataset_id in ours]
-        return StatusSnapshot(
-            now=now,
-            windows_s=WINDOWS_S,
-            datasets=[
-                _dataset(d, [r for r in recent if r.dataset_id == d.id], now) for d in datasets
-            ],
-            servers=_servers(recent, errors, now),
-            unattributed_errors=_unattributed(errors),
-            order_seeds={r: int(seeds[r]) for r in sorted({d.run for d in datasets})},
-            families={r: families[r] for r in sorted({d.run for d in datasets})},
-            published=sum(int(published.get(d, 0)) for d in ours),
-        )
+        return read_status(self.engine, run)
+
+    def postgres_connections(self) -> tuple[int, int]:
+        """Client connections open on the server now, and its ``max_connections``."""
+        return postgres_connections(self.engine)
+
+
+def read_status(engine: Engine, run: str | None = None) -> StatusSnapshot:
+    """Every dataset (of ``run``, or of all runs) and server, as of one instant."""
+    with engine.begin() as conn:  # one transaction: one now() for every figure
+        now = conn.execute(select(func.now())).scalar_one()
+        datasets = conn.execute(_datasets(run)).all()
+        recent = conn.execute(_recent_generations()).all()
+        errors = conn.execute(_recent_errors()).all()
+        published = dict(conn.execute(_published()).all())
+        seeds = dict(conn.execute(select(_RUNS.c.name, _RUNS.c.order_seed)).all())
+        families = dict(conn.execute(select(_RUNS.c.name, _RUNS.c.family)).all())
+    ours = {int(d.id) for d in datasets}
+    recent = [r for r in recent if r.dataset_id in ours]
+    errors = [e for e in errors if e.dataset_id in ours]
+    return StatusSnapshot(
+        now=now,
+        windows_s=WINDOWS_S,
+        datasets=[_dataset(d, [r for r in recent if r.dataset_id == d.id], now) for d in datasets],
+        servers=_servers(recent, errors, now),
+        unattributed_errors=_unattributed(errors),
+        order_seeds={r: int(seeds[r]) for r in sorted({d.run for d in datasets})},
+        families={r: families[r] for r in sorted({d.run for d in datasets})},
+        published=sum(int(published.get(d, 0)) for d in ours),
+    )
+
+
+def postgres_connections(engine: Engine) -> tuple[int, int]:
+    """Client connections open on the server now, and its ``max_connections``."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT count(*) FILTER (WHERE backend_type = 'client backend'),"
+                " current_setting('max_connections')::int FROM pg_stat_activity"
+            )
+        ).one()
+    return int(row[0]), int(row[1])
 
 
 def _datasets(run: str | None) -> Select[*tuple[Any, ...]]:
     stmt = select(
-        Dataset.id,
-        Dataset.name,
-        Run.name.label("run"),
-        *(column.label(state.value) for state, column in _STATE_COLUMNS.items()),
-        Dataset.done_prompt_tokens,
-        Dataset.done_completion_tokens,
-        Dataset.budget_tokens,
-        Dataset.budget_basis,
-        Dataset.used_tokens,
-        Dataset.reserved_tokens,
-        Dataset.first_done_at,
-        Dataset.last_done_at,
-        Dataset.reserve,
-        Dataset.observed_reserve_tokens,
-        Dataset.sampling_params["max_new_tokens"].as_integer().label("max_new_tokens"),
-    ).join(Run, Run.id == Dataset.run_id)
-    stmt = stmt.order_by(Run.name, Dataset.name)
-    return stmt if run is None else stmt.where(Run.name == run)
+        _DATASETS.c.id,
+        _DATASETS.c.name,
+        _RUNS.c.name.label("run"),
+        *(counter.label(state.value) for state, counter in _STATE_COLUMNS.items()),
+        _DATASETS.c.done_prompt_tokens,
+        _DATASETS.c.done_completion_tokens,
+        _DATASETS.c.budget_tokens,
+        _DATASETS.c.budget_basis,
+        _DATASETS.c.used_tokens,
+        _DATASETS.c.reserved_tokens,
+        _DATASETS.c.first_done_at,
+        _DATASETS.c.last_done_at,
+        _DATASETS.c.reserve,
+        _DATASETS.c.observed_reserve_tokens,
+        _DATASETS.c.sampling_params["max_new_tokens"].as_integer().label("max_new_tokens"),
+    ).join(_RUNS, _RUNS.c.id == _DATASETS.c.run_id)
+    stmt = stmt.order_by(_RUNS.c.name, _DATASETS.c.name)
+    return stmt if run is None else stmt.where(_RUNS.c.name == run)
 
 
 def _published() -> Select[*tuple[Any, ...]]:
     """Queued jobs with a message out, per dataset (a few: the window), by partial index."""
     return (
-        select(Job.dataset_id, func.count())
-        .where(Job.state == JobState.QUEUED.value, Job.published_at.is_not(None))
-        .group_by(Job.dataset_id)
+        select(_JOBS.c.dataset_id, func.count())
+        .where(_JOBS.c.state == JobState.QUEUED.value, _JOBS.c.published_at.is_not(None))
+        .group_by(_JOBS.c.dataset_id)
     )
 
 
@@ -105,24 +164,26 @@ def _since(seconds: int) -> Any:
 def _recent_generations() -> Select[*tuple[Any, ...]]:
     """Per dataset and server, completions and tokens within each window, and when the
     earliest generation of each window started."""
-    started = Generation.created_at - func.make_interval(0, 0, 0, 0, 0, 0, Generation.e2e_latency)
+    started = _GENERATIONS.c.created_at - func.make_interval(
+        0, 0, 0, 0, 0, 0, _GENERATIONS.c.e2e_latency
+    )
     columns = []
     for seconds in WINDOWS_S:
-        within = Generation.created_at > _since(seconds)
+        within = _GENERATIONS.c.created_at > _since(seconds)
         columns += [
             func.count().filter(within).label(f"n_{seconds}"),
-            func.coalesce(func.sum(Generation.completion_tokens).filter(within), 0).label(
+            func.coalesce(func.sum(_GENERATIONS.c.completion_tokens).filter(within), 0).label(
                 f"completion_{seconds}"
             ),
-            func.coalesce(func.sum(Generation.prompt_tokens).filter(within), 0).label(
+            func.coalesce(func.sum(_GENERATIONS.c.prompt_tokens).filter(within), 0).label(
                 f"prompt_{seconds}"
             ),
             func.min(started).filter(within).label(f"started_{seconds}"),
         ]
     return (
-        select(Generation.dataset_id, Generation.server, *columns)
-        .where(Generation.created_at > _since(max(WINDOWS_S)))
-        .group_by(Generation.dataset_id, Generation.server)
+        select(_GENERATIONS.c.dataset_id, _GENERATIONS.c.server, *columns)
+        .where(_GENERATIONS.c.created_at > _since(max(WINDOWS_S)))
+        .group_by(_GENERATIONS.c.dataset_id, _GENERATIONS.c.server)
     )
 
 
@@ -130,13 +191,13 @@ def _recent_errors() -> Select[*tuple[Any, ...]]:
     """Failed attempts per dataset, server and class within the longest window."""
     return (
         select(
-            FailedAttempt.dataset_id,
-            FailedAttempt.server,
-            FailedAttempt.kind,
+            _FAILED_ATTEMPTS.c.dataset_id,
+            _FAILED_ATTEMPTS.c.server,
+            _FAILED_ATTEMPTS.c.kind,
             func.count().label("n"),
         )
-        .where(FailedAttempt.at > _since(max(WINDOWS_S)))
-        .group_by(FailedAttempt.dataset_id, FailedAttempt.server, FailedAttempt.kind)
+        .where(_FAILED_ATTEMPTS.c.at > _since(max(WINDOWS_S)))
+        .group_by(_FAILED_ATTEMPTS.c.dataset_id, _FAILED_ATTEMPTS.c.server, _FAILED_ATTEMPTS.c.kind)
     )
 
 

@@ -19,14 +19,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 
-from core.settings import ServerSpec, Services, Settings
 from eaglegen.report.text import inline
 from eaglegen.stack import FLOWER_AUTH_ENV, MissingExtraError, StackSearch, find_stack
 
+# Imported by every command, its --help included: what only some commands use (the settings
+# and pydantic, the models, SQLAlchemy, Redis) is imported where it is used.
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from core.settings import ServerSpec, Services, Settings
     from models.repository import Repository
 
 # The width of a console writing to a file or a pipe (nohup, tee, a CI log): wider than any
@@ -116,6 +119,8 @@ def _lock_timeout(exc: BaseException) -> bool:
 
 def one_line(exc: BaseException) -> str:
     """An error's message on one line (pydantic lists each invalid setting on its own)."""
+    from pydantic import ValidationError
+
     if isinstance(exc, ValidationError):
         return "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
@@ -138,6 +143,8 @@ def load_settings(**flags: Any) -> Settings:
     """Settings from the environment with every flag that was given (not None) on top, and
     the services of `eaglegen up` where neither names one (its stack as stack_search finds
     it; its folder becomes the data directory)."""
+    from core.settings import Settings
+
     given = {k: v for k, v in flags.items() if v is not None and v != []}
     settings = Settings(**given)
     found = stack_search(settings)
@@ -156,6 +163,8 @@ def stack_settings(**flags: Any) -> Settings:
     """Settings of `up` and `down`: the data directory is the stack's folder as every
     command finds it, the services are only what the environment and flags name (not what
     the stack recorded: `up` decides what to keep)."""
+    from core.settings import Settings
+
     given = {k: v for k, v in flags.items() if v is not None and v != []}
     settings = Settings(**given)
     found = stack_search(settings)
@@ -179,6 +188,8 @@ def no_stack(settings: Settings) -> str:
 def parse_servers(values: list[str]) -> list[ServerSpec]:
     """``--server URL`` or ``--server NAME=URL`` flags as server specs (an unnamed server
     is named by its location, see ServerSpec)."""
+    from core.settings import ServerSpec
+
     servers = []
     for value in values:
         name, sep, url = value.partition("=")
@@ -246,13 +257,22 @@ def with_lock_retries(action: Callable[[], T], what: str) -> T:
 @contextmanager
 def repository(database_url: str) -> Iterator[Repository]:
     """A repository on one pooled connection, disposed of afterwards."""
-    from models.db import make_engine
     from models.repository import Repository
+
+    with one_connection(database_url) as engine:
+        yield Repository(engine)
+
+
+@contextmanager
+def one_connection(database_url: str) -> Iterator[Engine]:
+    """An engine of one pooled connection, disposed of afterwards: a repository's, or the
+    engine of a command that reads through one models module alone (`status`)."""
+    from models.db import make_engine
 
     # A command waits at most CONTROL_LOCK_MS for a row lock, then retries (with_lock_retries):
     # a server session left waiting by a client that went away (Ctrl-C) ends by itself.
     engine = make_engine(database_url, pool_size=1, hold_limit_ms=CONTROL_LOCK_MS)
     try:
-        yield Repository(engine)
+        yield engine
     finally:
         engine.dispose()

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from core.settings import Services, Settings
 from eaglegen.cli.base import (
     BrokerUrl,
     DatabaseUrl,
@@ -23,6 +22,7 @@ from eaglegen.cli.base import (
 from eaglegen.report.text import inline
 
 if TYPE_CHECKING:
+    from core.settings import Services, Settings
     from producer.enqueue import RunReport
     from producer.plan import RunPlan
 

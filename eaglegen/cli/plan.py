@@ -13,7 +13,6 @@ from rich.table import Table
 from rich.text import Text
 
 from core.names import check_name
-from core.settings import ServerSpec
 from eaglegen.cli.base import (
     DatabaseUrl,
     DataDir,
@@ -30,6 +29,7 @@ from eaglegen.cli.base import (
 from eaglegen.report.text import inline, shown, visible
 
 if TYPE_CHECKING:
+    from core.settings import ServerSpec
     from eaglegen.report.plan import Forecast, RunPlan, ServerFacts, ServerPlan
 
 app = typer.Typer()

@@ -13,13 +13,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console, Group, RenderableType
-from rich.live import Live
 from rich.text import Text
 
-from core import heartbeat
-from core.heartbeat import Heartbeat
 from core.names import check_name
-from core.settings import Settings
 from core.urls import redact, scrub
 from eaglegen.cli.base import (
     BrokerUrl,
@@ -32,11 +28,16 @@ from eaglegen.cli.base import (
     emit_json,
     err,
     load_settings,
+    one_connection,
     repository,
 )
 from eaglegen.report.text import inline
 
+# Redis's client, and what reads Redis, are imported once a broker is configured: without
+# one, status reads Postgres only.
 if TYPE_CHECKING:
+    from core.heartbeat import Heartbeat
+    from core.settings import Settings
     from models.records import StatusSnapshot
 
 app = typer.Typer()
@@ -59,21 +60,25 @@ def status(
     """Jobs by state, tokens, budgets, rates and ETA per dataset; servers; the run's ETA."""
     from eaglegen.report.status import connections_warning, status_document, status_view
     from models.db import lost_database
+    from models.status import postgres_connections, read_status
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     name = None if run is None else check_name("run", run)
     url = database(settings)
-    with repository(url) as repo:
+    with one_connection(url) as engine:
         if watch and not json_out:
             out = console()
             refresh = Refresh(
-                lambda: _view(settings, repo.status(name)), url, interval, keep=out.is_terminal
+                lambda: _view(settings, read_status(engine, name)),
+                url,
+                interval,
+                keep=out.is_terminal,
             )
             _watch(refresh, interval, out)
             return
         try:
-            snapshot = repo.status(name)
-            in_use, limit = repo.postgres_connections()
+            snapshot = read_status(engine, name)
+            in_use, limit = postgres_connections(engine)
         except Exception as exc:
             reason = lost_database(exc)
             if reason is None:
@@ -205,6 +210,8 @@ def _clock(at: datetime) -> str:
 def _watch(view: Callable[[], RenderableType], interval: float, out: Console) -> None:
     """Show ``view()`` every ``interval`` seconds until Ctrl-C (which ends it cleanly):
     redrawn in place on a terminal, one after the other on a file or a pipe (a log)."""
+    from rich.live import Live
+
     try:
         if not out.is_terminal:
             while True:
@@ -222,10 +229,12 @@ def _watch(view: Callable[[], RenderableType], interval: float, out: Console) ->
 def _beats(broker_url: str | None) -> list[Heartbeat] | None:
     """The live workers' heartbeats; None without a broker or when it does not answer
     (status reads Postgres first; servers' live state is a bonus)."""
-    import redis
-
     if broker_url is None:
         return None
+    import redis
+
+    from core import heartbeat
+
     try:
         return heartbeat.alive(broker_url, None, BEAT_MAX_AGE_S)
     except redis.RedisError:
@@ -236,6 +245,8 @@ def _redis_state(settings: Settings, beats: list[Heartbeat] | None) -> dict[str,
     """What Redis holds besides heartbeats: messages waiting in the queue list, the
     feeder's bound (from its last pass), and why each adaptive limit is what it is; None
     without a broker or when it does not answer."""
+    if settings.broker_url is None:
+        return None
     import json
 
     import redis
@@ -243,8 +254,6 @@ def _redis_state(settings: Settings, beats: list[Heartbeat] | None) -> dict[str,
     from core import keys
     from worker.controller import read_limit
 
-    if settings.broker_url is None:
-        return None
     servers = sorted({name for beat in beats or [] for name in beat.servers})
     try:
         with redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5) as client:
@@ -287,12 +296,12 @@ def _model_changes(beats: list[Heartbeat] | None) -> list[str]:
 def broker_warning(broker_url: str | None) -> str | None:
     """Redis's eviction policy, when a broker is configured and answers (status reads
     Postgres only; an unreachable Redis is not this command's business)."""
+    if broker_url is None:
+        return None
     import redis
 
     from core.broker import eviction_warning
 
-    if broker_url is None:
-        return None
     client = redis.Redis.from_url(broker_url, socket_connect_timeout=2, socket_timeout=2)
     try:
         return eviction_warning(client)

@@ -6,7 +6,6 @@ from typing import Annotated
 
 import typer
 
-from core.settings import Settings
 from eaglegen.cli.base import (
     BrokerUrl,
     DatabaseUrl,
@@ -35,8 +34,10 @@ def worker(
         typer.Option(
             min=1,
             envvar="EAGLEGEN_WORKER_CONCURRENCY",
-            help="Threads: requests in flight at once (default "
-            f"{Settings.model_fields['worker_concurrency'].default})",
+            # Settings.worker_concurrency's default, written out: core.settings (pydantic) is
+            # imported when a command runs, not for --help (tests/e2e/test_operator_messages
+            # checks that the two agree).
+            help="Threads: requests in flight at once (default 64)",
         ),
     ] = None,
     numa_node: Annotated[

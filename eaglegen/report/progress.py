@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from core.heartbeat import Heartbeat
 from models.records import DatasetStatus, ServerStatus, Window
+
+if TYPE_CHECKING:
+    from core.heartbeat import Heartbeat  # it imports Redis's client; only the type is used
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,12 @@ document. The figures come from eaglegen.report.progress; this module only lays 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from core.heartbeat import Heartbeat
 from eaglegen.report.progress import (
     Progress,
     dataset_progress,
@@ -24,6 +23,9 @@ from eaglegen.report.text import shown, visible
 from models.ledger import format_tokens
 from models.records import DatasetCounts, DatasetStatus, StatusSnapshot
 from models.states import JobState
+
+if TYPE_CHECKING:
+    from core.heartbeat import Heartbeat  # it imports Redis's client; only the type is used
 
 
 def totals(counts: Sequence[DatasetCounts | DatasetStatus]) -> dict[str, int]:
