@@ -155,6 +155,7 @@ def _hf(e: _Export) -> list[str]:
         return [
             "Each shard is a datasets save_to_disk folder:",
             "",
+            "  from pathlib import Path",
             "  from datasets import concatenate_datasets, load_from_disk",
             f"  train = concatenate_datasets([load_from_disk(str(p)) for p in "
             f"sorted(Path({str(e.out / TRAIN)!r}).glob('{TRAIN}-*'))])",
