@@ -16,7 +16,10 @@ from exporter.files import sha256_of, sha256_of_files
 from exporter.layouts import (
     CONVERSATIONS,
     HF,
+    HF_DATASET,
+    JSONL,
     MODELOPT,
+    PARQUET,
     SPECFORGE,
     SPECULATORS,
     TOKENS,
@@ -218,3 +221,21 @@ def test_a_killed_first_export_of_a_whole_split_is_written_again(
     again = export(repo, out, SPECFORGE)
     assert sorted(again.removed) == ["train/train.jsonl"]
     assert (out / "train/train.jsonl").read_bytes() == (clean / "train/train.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("writer", [PARQUET, JSONL, HF_DATASET])
+def test_the_printed_python_loads_the_hf_layout(
+    repo: InspectRepository, tmp_path: Path, writer: str
+) -> None:
+    recorded_run(repo, {"a": [(4, 6, "stop")] * 7})
+    out = tmp_path / "out"
+    options = Options(writer, Filters(), consumer=HF)
+    request = ExportRequest("run", out, options, 256_000_000)
+    found, previous, _ = prepare(repo, request)
+    usage = run_export(repo, request, found, previous).usage
+    code = "\n".join(line[2:] for line in usage.splitlines() if line.startswith("  "))
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)  # what a user pastes
+    rows = namespace["train"].to_list()
+    assert_rows_are_the_database(repo, [r | (r.get("metadata") or {}) for r in rows])
+    assert len(namespace["train"]) == 7
