@@ -74,7 +74,12 @@ class Settings(BaseSettings):
     broker_url: str | None = None
     data_dir: Path = Path(".eaglegen")
     servers: list[ServerSpec] = Field(default_factory=list)
-    worker_concurrency: int = Field(default=64, ge=1, le=4096)
+    # A worker process's threads: the most requests it holds at once. None: the most its
+    # servers' in-flight limits can reach together (each server's max_inflight, else
+    # concurrency_max with adaptive concurrency, else server_max_inflight; at most 4,096).
+    # Either way it takes only as many messages as its servers have room for, and starts a
+    # thread only when it needs one (worker.intake).
+    worker_concurrency: int | None = Field(default=None, ge=1, le=4096)
     # Postgres connections one worker process opens at most, whatever its concurrency: its
     # transactions take milliseconds, so threads wait for one instead of each holding one
     # (workers x this must stay below the server's max_connections; docs/reference/worker.md,

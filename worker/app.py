@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-from celery import Celery, Task
+from celery import Celery, Task, bootsteps
 from celery.exceptions import Ignore, Retry
 from celery.signals import worker_shutdown, worker_shutting_down
 from celery.worker import worker as celery_worker
+from celery.worker.consumer.tasks import Tasks
 
 from core import wire
 from core.broker import eviction_warning
@@ -24,6 +25,7 @@ from worker import metrics
 from worker.background import Background
 from worker.celeryconfig import make_celery
 from worker.events import OpenTasks, announce_exit
+from worker.intake import default_threads
 from worker.numa import PinResult
 from worker.outages import one_line
 from worker.retry import backoff
@@ -106,8 +108,12 @@ def create_worker_app(
 
     ``servers``: the SGLang servers this worker calls (default: every configured one).
     """
+    attached = settings.servers if servers is None else servers
     app = make_celery(settings, services.broker_url)
-    holder = ContextHolder(settings, services, settings.servers if servers is None else servers)
+    # The pool's threads, also when a worker is started without --concurrency (the tests).
+    app.conf.worker_concurrency = default_threads(settings, attached)
+    holder = ContextHolder(settings, services, attached)
+    app.steps["consumer"].add(_intake_gate(holder))
 
     @app.task(  # type: ignore[untyped-decorator]
         name=TASK_GENERATE,
@@ -137,6 +143,19 @@ def create_worker_app(
         return _ending(ctx, self, job_id, result)
 
     return app, holder
+
+
+def _intake_gate(holder: ContextHolder) -> type[bootsteps.StartStopStep]:
+    """A consumer step that gates the task consumer by the worker's intake (worker.intake),
+    started after Celery's own (which creates the consumer), again after each reconnect."""
+
+    class IntakeGate(bootsteps.StartStopStep):  # type: ignore[misc]
+        requires = (Tasks,)
+
+        def start(self, c: Any) -> None:
+            holder.get().intake.gate(c.task_consumer.channel.qos)
+
+    return IntakeGate
 
 
 def _ending(ctx: WorkerContext, task: Task, job_id: int, result: Result) -> str:
@@ -184,12 +203,14 @@ def nodename(servers: Sequence[str], numa_node: int | None = None) -> str:
     return f"{shown or 'eaglegen'}{node}.pid{os.getpid()}@{socket.gethostname()}"
 
 
-def worker_argv(settings: Settings, *, hostname: str, loglevel: str = "INFO") -> list[str]:
+def worker_argv(
+    settings: Settings, *, threads: int, hostname: str, loglevel: str = "INFO"
+) -> list[str]:
     """Arguments for ``app.worker_main``: threads pool, our queue, events for Flower."""
     return [
         "worker",
         "--pool=threads",
-        f"--concurrency={settings.worker_concurrency}",
+        f"--concurrency={threads}",
         f"--queues={settings.queue}",
         f"--loglevel={loglevel}",
         "--events",
@@ -229,10 +250,11 @@ def start(
         log.warning("%s", eviction)
     log.warning(
         "worker %s: at most %d Postgres connections (EAGLEGEN_DB_POOL_SIZE) and one for job "
-        "leases, %d threads",
+        "leases; up to %d threads (EAGLEGEN_WORKER_CONCURRENCY), started as its servers' "
+        "in-flight limits call for them",
         ctx.name,
         settings.db_pool_size,
-        settings.worker_concurrency,
+        ctx.threads,
     )
     name = nodename([s.name for s in ctx.router.servers], None if pinned is None else pinned.node)
     exporter = None if metrics_port is None else metrics.serve(ctx.metrics, metrics_port)
@@ -246,7 +268,9 @@ def start(
     celery_worker.logger.addFilter(ending)  # the logger of its "Unrecoverable error"
     worker_shutdown.connect(ending.shutdown, weak=False)
     try:
-        app.worker_main(worker_argv(settings, hostname=name, loglevel=loglevel))
+        app.worker_main(
+            worker_argv(settings, threads=ctx.threads, hostname=name, loglevel=loglevel)
+        )
     finally:
         background.stop()
         if exporter is not None:

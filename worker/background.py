@@ -21,6 +21,7 @@ from core.broker import redis_now, wake_feeder
 from core.heartbeat import Heartbeat, ServerBeat
 from worker.controller import LimitControllers
 from worker.feeder import Feeder, FeedLog
+from worker.intake import INTERVAL_S as INTAKE_INTERVAL_S
 from worker.leader import Leadership
 from worker.numa import PinResult
 from worker.outages import one_line
@@ -66,6 +67,7 @@ class Background:
         # Until one has said, the worker takes no job (it could run none): see
         # `_consumer_ready`.
         self.ctx.router.identify_unknown(5.0, s.health_interval_s)
+        self._step("intake", self.take)  # before the consumer takes its first message
         self.beat()
         # A worker whose servers are all down or unidentified when its consumer starts pauses
         # it then: a pause asked for before (a server found down) reached no consumer.
@@ -74,6 +76,7 @@ class Background:
         self._loop("health", s.health_interval_s, self.check_health)
         self._loop("identity", s.reidentify_interval_s, self.reidentify)
         self._loop("leases", min(s.lease_seconds, s.slot_lease_seconds) / 3, self.renew)
+        self._loop("intake", INTAKE_INTERVAL_S, self.take)
         self._loop("reconciler", s.reconcile_interval_s, self.reconcile_if_leader)
         self._start_thread("feeder", self._feed_loop)
         if self.limits.controllers:
@@ -134,7 +137,7 @@ class Background:
             pid=os.getpid(),
             ts=now,
             in_flight=len(self.ctx.running_jobs()),
-            threads=s.worker_concurrency,
+            threads=self.ctx.threads,
             consuming=self.consuming,
             db_pool=s.db_pool_size,
             servers={srv.name: self._server_beat(srv, now) for srv in self.ctx.router.servers},
@@ -147,6 +150,10 @@ class Background:
         self.ctx.outages.redis_ok()
         for conflict in self.ctx.hold_server_names():
             log.error("%s", conflict)
+
+    def take(self) -> None:
+        """Work out again how many messages this process takes (worker.intake)."""
+        self.ctx.intake.update(self.ctx.router.rooms())
 
     def _server_beat(self, server: Server, now: float) -> ServerBeat:
         """One server in the heartbeat; ``now`` is Redis's clock."""

@@ -27,6 +27,7 @@ from models.db import make_engine
 from models.records import ClaimedJob, GenerationRecord, RunModel
 from models.repository import Repository
 from worker.controller import SharedLimits
+from worker.intake import Intake, Room, default_threads
 from worker.metrics import WorkerMetrics
 from worker.names import ServerNames
 from worker.outages import Outages, one_line
@@ -160,6 +161,9 @@ class WorkerContext:
     # leases lapse for the reconciler, but given back at once at shutdown.
     doubtful: set[int] = field(default_factory=set)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    # How many messages the process takes: what its servers have room for, within its
+    # threads (worker.intake).
+    intake: Intake = field(default_factory=lambda: Intake(1))
     stopping: threading.Event = field(default_factory=threading.Event)
     # Runs none of this worker's servers may generate, with why (logged once per reason).
     unserved: dict[str, str] = field(default_factory=dict)
@@ -200,6 +204,7 @@ class WorkerContext:
         metrics = WorkerMetrics()
         metrics.known_servers([s.name for s in attached])
         repo = Repository(engine)
+        configured = [Room(0, server.limit, 0) for server in attached]
         return cls(
             settings=settings,
             repo=repo,
@@ -209,8 +214,14 @@ class WorkerContext:
             publisher=Publisher(services.broker_url, settings.queue),
             names=ServerNames(client, ttl_s=heartbeat_ttl(settings)),
             metrics=metrics,
+            intake=Intake(default_threads(settings, servers), configured),
             outages=outages,
         )
+
+    @property
+    def threads(self) -> int:
+        """The process's Celery threads: the most requests it may hold at once."""
+        return self.intake.threads
 
     def hold_server_names(self) -> list[str]:
         """Hold this worker's server names in the cluster; a line per name held elsewhere."""

@@ -14,6 +14,7 @@ import httpx
 from core.settings import ServerSpec
 from models.records import RunModel
 from worker.identity import Served, mismatch
+from worker.intake import Room
 from worker.outages import Outages
 from worker.sglang import SGLangClient
 from worker.slots import SlotPool
@@ -240,6 +241,16 @@ class Router:
                     server.held.add(token)
                 return Lease(server, token)
         return None
+
+    def rooms(self) -> list[Room]:
+        """Each server that may take a job now (up, its model known): the slots this process
+        holds there, its limit, and the slots all workers hold there (a Redis call each)."""
+        rooms = []
+        for server in self.servers:
+            if server.healthy and server.served is not None:
+                in_flight = self._slots.in_flight(server.name)
+                rooms.append(Room(len(server.held), self.limit(server), in_flight))
+        return rooms
 
     def release(self, lease: Lease) -> None:
         """Return the slot, and wake one thread waiting for one."""

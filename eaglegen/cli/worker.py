@@ -34,10 +34,11 @@ def worker(
         typer.Option(
             min=1,
             envvar="EAGLEGEN_WORKER_CONCURRENCY",
-            # Settings.worker_concurrency's default, written out: core.settings (pydantic) is
-            # imported when a command runs, not for --help (tests/e2e/test_operator_messages
-            # checks that the two agree).
-            help="Threads: requests in flight at once (default 64)",
+            # The rule of worker.intake.default_threads, written out: worker modules are
+            # imported when a command runs, not for --help.
+            help="Threads: the most requests in flight at once (default: the most its "
+            "servers' in-flight limits can reach; a worker takes only the jobs its servers "
+            "have room for)",
         ),
     ] = None,
     numa_node: Annotated[

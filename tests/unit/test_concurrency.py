@@ -1,7 +1,7 @@
 """The adaptive in-flight limit: each rule of the pure controller, its damping on a stationary
 server, its convergence near the knee of the simulator's own SGLang scheduler (in-process, on a
-virtual clock) from a low and a high start, its back-off on retractions, and the reading of
-SGLang's /metrics."""
+virtual clock) from a low and a high start, its back-off on retractions, the reading of
+SGLang's /metrics, and a worker's intake and threads, which follow the limits."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from dataclasses import dataclass, replace
 import pytest
 
 from bench.adaptive import WORKLOADS, Plan, Result, fixed, run, run_adaptive
+from core.settings import ServerSpec, Settings
 from eaglegen.sim import metrics
 from worker.concurrency import ConcurrencyController, Decision, Sample, Tuning
 from worker.controller import parse_metrics, sample_from_metrics
+from worker.intake import MAX_THREADS, Room, default_threads, intake, spare
 
 TUNING = Tuning()
 
@@ -373,3 +375,36 @@ def test_a_server_without_scheduler_metrics_gives_no_sample() -> None:
 
 def test_a_sample_without_in_flight_counts_what_the_server_holds() -> None:
     assert replace(sample(40, 7), in_flight=None).held == 47
+
+
+# --- a worker's intake (worker.intake) -----------------------------------------------------
+
+
+def test_a_worker_alone_takes_its_servers_limits_plus_the_spare() -> None:
+    # Empty servers: their limits, plus a tenth of them waiting for a slot.
+    assert intake([Room(0, 256, 0)], threads=1024) == 256 + 26
+    # Busy with its own requests: the same, whatever it holds.
+    assert intake([Room(200, 256, 200), Room(10, 64, 10)], threads=1024) == 320 + 32
+    # A limit cut below what runs: only what it holds, and the spare.
+    assert intake([Room(300, 200, 300)], threads=1024) == 300 + 20
+    # A few threads: they cap it; never below one.
+    assert intake([Room(0, 256, 0)], threads=64) == 64
+    assert intake([], threads=64) == spare(0) == 2
+
+
+def test_workers_sharing_a_server_share_its_free_slots() -> None:
+    # Another worker holds 200 of 256: this one may take the 56 left, and its spare.
+    assert intake([Room(0, 256, 200)], threads=1024) == 56 + 26
+    # Full: only the spare waits (taking a slot the other gives back).
+    assert intake([Room(50, 256, 256)], threads=1024) == 50 + 26
+
+
+def test_a_workers_threads_by_default_reach_its_servers_highest_limits() -> None:
+    adaptive = Settings(concurrency_max=1024)
+    servers = [ServerSpec(url="http://a:1"), ServerSpec(url="http://b:1", max_inflight=32)]
+    assert default_threads(adaptive, servers) == 1024 + 32
+    fixed = Settings(adaptive_concurrency=False, server_max_inflight=300)
+    assert default_threads(fixed, servers) == 300 + 32
+    many = [ServerSpec(url=f"http://h{i}:1") for i in range(8)]
+    assert default_threads(adaptive, many) == MAX_THREADS  # a bound, not 8 x 1024
+    assert default_threads(Settings(worker_concurrency=48), many) == 48  # set: as set

@@ -1,0 +1,128 @@
+"""Issue 32: a worker's in-flight capacity follows the in-flight limit (worker.intake), as
+`eaglegen worker` processes against real Postgres, Redis and the simulator. With the default
+threads, a worker fills a limit that grows on a server with room; with more threads than
+the limit, it holds only the messages its server has room for, and the server never sees
+more than the limit."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+import redis
+
+from bench.common import write_short_prompts
+from core import heartbeat
+from core.settings import Settings
+from eaglegen.sim import SimConfig, SimServer
+from models.repository import Repository
+from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
+from tests.integration.test_worker_processes import (
+    in_flight,
+    live_pids,
+    wait_for,
+    worker_env,
+    worker_process,
+)
+from worker.controller import read_limit
+from worker.intake import spare
+
+# Room for thousands of short requests (no KV limit near), each held ~10 s by its decode
+# steps: a worker's requests in flight are what its limit and threads allow.
+ROOMY = SimConfig(
+    seed=5, kv_tokens=4_000_000, max_running_requests=4096, decode_step_ms=300.0,
+    decode_ms_per_request=0.0,
+)  # fmt: skip
+# ~20 ms decode steps: a 24-token answer holds its request (and its slot) for ~0.5 s.
+SLOW = SimConfig(seed=99, decode_step_ms=20.0, decode_ms_per_request=0.0)
+# EAGLEGEN_SERVER_MAX_INFLIGHT's default: where the controller starts.
+START_LIMIT = Settings.model_fields["server_max_inflight"].default
+
+
+class Peaks:
+    """The most requests in flight at the simulator and messages the worker holds unacked
+    (kombu's ``unacked`` hash), read on a thread until the block ends."""
+
+    def __init__(self, sim_url: str, broker_url: str) -> None:
+        self.server = 0
+        self.held = 0
+        self.readings = 0
+        self._sim = httpx.Client(base_url=sim_url, timeout=5)
+        self._redis = redis.Redis.from_url(broker_url)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Peaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sim.close()
+        self._redis.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.server = max(self.server, in_flight(self._sim.get("/metrics").text))
+            self.held = max(self.held, int(self._redis.hlen("unacked")))
+            self.readings += 1
+
+
+def server_in_flight(sim: SimServer) -> int:
+    """Requests running and waiting at the simulator now."""
+    return in_flight(httpx.get(f"{sim.url}/metrics", timeout=5).text)
+
+
+def test_a_default_worker_fills_a_limit_that_grows_past_its_start(
+    settings: Settings, tmp_path: Path
+) -> None:
+    assert settings.broker_url is not None
+    with SimServer(ROOMY) as sim:
+        env = worker_env(settings, [{"name": "sim", "url": sim.url}])
+        # The threads and the intake as shipped; the controller samples every second
+        # instead of five, only to keep the test short.
+        env["EAGLEGEN_CONCURRENCY_INTERVAL_S"] = "1"
+        log = tmp_path / "worker.log"
+        with worker_process(env, log) as process:  # no --concurrency
+            wait_for(lambda: process.pid in live_pids(settings), what="heartbeat", log=log)
+            path = write_short_prompts(tmp_path / "rows.jsonl", 2000)
+            enqueue_file(settings, path, max_new_tokens=32)
+            # More requests at the server than the limit it started from (and than the 64
+            # threads a worker had by default): the limit grew, and the worker filled it.
+            seen = wait_for(
+                lambda: (n := server_in_flight(sim)) > START_LIMIT and n,
+                timeout_s=180,
+                what=f"more than {START_LIMIT} requests in flight",
+                log=log,
+            )
+            with redis.Redis.from_url(settings.broker_url) as client:
+                record = read_limit(client, "sim")
+            [beat] = heartbeat.alive(settings.broker_url, None, max_age_s=5)
+    assert record is not None and record.limit > START_LIMIT, (record, seen)
+    assert beat.threads == 1024  # the controller's ceiling, one server
+
+
+def test_threads_beyond_the_limit_hold_no_message_the_server_has_no_room_for(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    assert settings.broker_url is not None
+    limit = 8
+    with SimServer(SLOW) as sim:
+        env = worker_env(settings, [{"name": "sim", "url": sim.url, "max_inflight": limit}])
+        log = tmp_path / "worker.log"
+        with worker_process(env, log, "--concurrency", "256") as process:
+            wait_for(lambda: process.pid in live_pids(settings), what="heartbeat", log=log)
+            with Peaks(sim.url, settings.broker_url) as peaks:
+                path = write_jsonl(tmp_path / "rows.jsonl", sample_rows(120))
+                enqueue_file(settings, path, max_new_tokens=24)
+                states = wait_settled(repo, timeout_s=120)
+    assert states["done"] == 120, states
+    assert peaks.readings > 0
+    # The server never sees more than the limit, and reaches it.
+    assert peaks.server == limit
+    # The worker takes only what its server has room for and the spare: not a message per
+    # thread, each waiting for a slot out of other workers' reach. (Redis may count one or
+    # two more for a moment: a task's message is acked by the event loop after it ends.)
+    assert limit <= peaks.held < 2 * limit, (peaks.held, limit + spare(limit))
