@@ -6,14 +6,15 @@
 
 What it measures: decoded tokens per simulated second of the simulator's own SGLang scheduler
 (`eaglegen.sim.scheduler`, the code behind `eaglegen sim`), driven in-process on a virtual
-clock: each forward pass advances the clock by the preset's step cost, so hours of server time
-take seconds and the figures do not depend on the host. Requests come in the workload's shapes
-(prompt length, a log-normal natural output length as the simulator draws it, max_new_tokens;
-prompts share a system prompt per shape, for the radix cache). A closed-loop client
-keeps LIMIT requests in flight; a finished request's slot is refilled after a round trip
-(`--round-trip-ms`, the worker's response handling and next claim), so a server without a
-queue of its own idles for that long. The limit is either fixed (the sweep, plus the real
-run's 150 and speculators' default 64) or set every `--interval` simulated seconds by
+clock: each forward pass, picked and priced as the simulator's own (`eaglegen.sim.forward`,
+the preset's step costs), advances the clock by its cost, so hours of server time take seconds
+and the figures do not depend on the host. Requests come in the workload's shapes (prompt
+length, a log-normal natural output length as the simulator draws it, max_new_tokens; prompts
+share a system prompt per shape, for the radix cache). A closed-loop client keeps LIMIT
+requests in flight; a finished request's slot is refilled after a round trip (`--round-trip-ms`,
+the worker's response handling and next claim), so a server without a queue of its own idles
+for that long. The limit is either fixed (the sweep, plus the real run's 150 and speculators'
+default 64) or set every `--interval` simulated seconds by
 `worker.concurrency.ConcurrencyController` from the same /metrics values the worker's
 controller reads (running, queued, token usage, the retraction counter), started once low and
 once high (`--starts`). Throughput is counted after the same warm-up for every policy, over the
@@ -36,7 +37,8 @@ from dataclasses import dataclass, field, replace
 
 from eaglegen.sim import preset
 from eaglegen.sim.config import SimConfig
-from eaglegen.sim.engine import Completion, Finish, decode_seconds, prefill_seconds
+from eaglegen.sim.engine import Completion, Finish
+from eaglegen.sim.forward import begin_pass, end_pass
 from eaglegen.sim.scheduler import Job, Scheduler
 from worker.concurrency import ConcurrencyController, Decision, Sample, Tuning
 
@@ -153,6 +155,7 @@ class VirtualServer:
     def __init__(self, config: SimConfig, workload: Workload, round_trip_s: float) -> None:
         """An idle server and a client holding nothing."""
         self.config = config
+        self.costs = config.step_costs()
         self.now = 0.0
         self.scheduler = Scheduler(config.scheduler_config(), clock=lambda: self.now)
         self.workload = workload
@@ -189,17 +192,15 @@ class VirtualServer:
             self.scheduler.submit(self.workload.job())
 
     def _one_round(self) -> float:
-        """One forward pass as the simulator's loop picks it; its duration."""
-        cfg, s = self.config, self.scheduler
-        batch = s.admit()
-        if batch is not None:
-            self._finished(len(s.finish_prefill(batch)))
-            return prefill_seconds(batch.extend_tokens, cfg.prefill_tokens_per_ms)
-        plan = s.prepare_decode()
-        if not plan.batch:
-            return 0.001  # nothing can move (as the service, never spin)
-        self._finished(len(s.decode_step()))
-        return decode_seconds(plan.batch, cfg.decode_step_ms, cfg.decode_ms_per_request)
+        """One forward pass, picked and priced as the simulator's loop does
+        (`eaglegen.sim.forward`); its duration."""
+        forward = begin_pass(self.scheduler, self.costs)
+        if forward.prefill is None and not forward.decoded:
+            # Retractions only: their re-prefill comes next. Else nothing can move: as the
+            # service, never spin.
+            return 0.0 if forward.retracted else 0.001
+        self._finished(len(end_pass(self.scheduler, forward)))
+        return forward.seconds
 
     def _finished(self, n: int) -> None:
         """Finished requests give their slots back; the client refills them."""

@@ -21,10 +21,14 @@ PUSH_BYTES = 256 << 10
 class Publisher:
     """Publishes job messages onto one queue; many with one LPUSH per batch."""
 
-    def __init__(self, broker_url: str, queue: str) -> None:
+    def __init__(self, broker: str | redis.Redis, queue: str) -> None:
+        """``broker``: a Redis URL (a client of its own, closed by ``close``), or a client to
+        share, which its owner closes: a worker's, whose pool makes its many threads wait for
+        a connection where redis-py's default pool fails the 101st (issue 32)."""
         self.queue = queue
         self._envelope = wire.EnvelopeFactory(queue, f"{socket.gethostname()}:{os.getpid()}")
-        self._client = redis.Redis.from_url(broker_url)
+        self._owned = isinstance(broker, str)
+        self._client = redis.Redis.from_url(broker) if isinstance(broker, str) else broker
 
     def publish(self, job_ids: Sequence[int], tags: str | Mapping[int, str] = "") -> int:
         """Publish one message per id, in order (workers pop the oldest first), in
@@ -89,8 +93,9 @@ class Publisher:
         wake_feeder(self._client, self.queue)
 
     def close(self) -> None:
-        """Release the connection."""
-        self._client.close()
+        """Release the connections of its own client (a shared one is its owner's)."""
+        if self._owned:
+            self._client.close()
 
     def __enter__(self) -> Publisher:
         return self

@@ -14,13 +14,13 @@ storing it: a limit that lapsed would send every worker back to the configured o
 default) against a server that may be struggling.
 
 Redis keys: ``keys.controller_lock(server)``, the controlling process's lock (worker.leader);
-``keys.limit(server)``: JSON ``{"limit", "reason", "at", "by"}``, expiring when no controller
-has refreshed it for a while, so a stopped cluster leaves no stale limit behind.
+``keys.limit(server)``: JSON ``{"limit", "reason", "at", "by"}`` (``core.limits.LimitRecord``),
+expiring when no controller has refreshed it for a while, so a stopped cluster leaves no stale
+limit behind.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -28,13 +28,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import redis
 
 from core import keys
 from core.bounded import AnswerRefused
+from core.limits import LimitRecord, read_limit
 from core.settings import Settings
 from worker.concurrency import ConcurrencyController, Decision, Sample, Tuning
 from worker.leader import Leadership
@@ -101,41 +101,6 @@ def sample_from_metrics(text: str, in_flight: int | None = None) -> Sample | Non
 
 
 # --- the stored limit ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LimitRecord:
-    """What the controller stored: the limit, why, when (Redis clock) and by which process."""
-
-    limit: int
-    reason: str
-    at: float
-    by: str
-
-    def to_json(self) -> str:
-        """The stored form."""
-        return json.dumps(
-            {"limit": self.limit, "reason": self.reason, "at": self.at, "by": self.by}
-        )
-
-    @classmethod
-    def from_json(cls, raw: bytes | str | None) -> LimitRecord | None:
-        """The record, or None when absent or not one (a hand edit, an older version)."""
-        if raw is None:
-            return None
-        try:
-            body: Any = json.loads(raw)
-            limit = body["limit"]
-            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-                return None
-            return cls(limit, str(body.get("reason", "")), float(body["at"]), str(body["by"]))
-        except (ValueError, TypeError, KeyError):
-            return None
-
-
-def read_limit(client: redis.Redis, server: str) -> LimitRecord | None:
-    """The stored limit of ``server`` (for `eaglegen status`), or None."""
-    return LimitRecord.from_json(client.get(keys.limit(server)))
 
 
 class SharedLimits:

@@ -77,10 +77,10 @@ def lease_engine(database_url: str) -> Engine:
 
 
 # The Redis connections a worker process's own calls share (slots, heartbeat, names, the
-# controller; Celery's are kombu's). Each call takes well under a millisecond, so a few dozen
-# serve hundreds of threads; a thread finding them all busy waits for one, up to
-# REDIS_WAIT_S. redis-py's default pool instead fails the 101st at once (MaxConnectionsError),
-# which stalled workers of 512 threads (issue 32).
+# controller, the publisher; Celery's are kombu's). Each call takes well under a
+# millisecond, so a few dozen serve hundreds of threads; a thread finding them all busy
+# waits for one, up to REDIS_WAIT_S. redis-py's default pool instead fails the 101st at
+# once (MaxConnectionsError), which stalled workers of 512 threads (issue 32).
 REDIS_CONNECTIONS = 32
 REDIS_WAIT_S = 20.0
 
@@ -211,7 +211,7 @@ class WorkerContext:
             leases=Repository(lease_engine(services.database_url)),
             router=router,
             redis=client,
-            publisher=Publisher(services.broker_url, settings.queue),
+            publisher=Publisher(client, settings.queue),
             names=ServerNames(client, ttl_s=heartbeat_ttl(settings)),
             metrics=metrics,
             intake=Intake(default_threads(settings, servers), configured),

@@ -52,6 +52,7 @@ def sim(
     decode_step_ms: Annotated[float | None, Opt(help="Decode step base time")] = None,
     decode_ms_per_request: Annotated[float | None, Opt(help="Added per running request")] = None,
     prefill_tokens_per_ms: Annotated[float | None, Opt(help="Prefill speed")] = None,
+    prefill_step_ms: Annotated[float | None, Opt(help="Prefill pass base time")] = None,
     mean_output_tokens: Annotated[int | None, Opt(help="Mean natural output length")] = None,
     time_scale: Annotated[
         float | None, Opt(help="Multiply every step's duration (0.05 = 20 times faster)")
@@ -133,6 +134,7 @@ def sim(
         "decode_step_ms": decode_step_ms,
         "decode_ms_per_request": decode_ms_per_request,
         "prefill_tokens_per_ms": prefill_tokens_per_ms,
+        "prefill_step_ms": prefill_step_ms,
         "mean_output_tokens": mean_output_tokens,
         "time_scale": time_scale,
         "stream_interval": stream_interval,

@@ -252,7 +252,7 @@ def _redis_state(settings: Settings, beats: list[Heartbeat] | None) -> dict[str,
     import redis
 
     from core import keys
-    from worker.controller import read_limit
+    from core.limits import read_limit
 
     servers = sorted({name for beat in beats or [] for name in beat.servers})
     try:

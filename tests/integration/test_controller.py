@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from core import keys
+from core.limits import LimitRecord, read_limit
 from core.settings import ServerSpec, Settings
 from eaglegen import assets
 from eaglegen.sim import SimConfig, SimServer
@@ -33,9 +34,7 @@ from worker.controller import (
     ControllerSettings,
     LimitController,
     LimitControllers,
-    LimitRecord,
     SharedLimits,
-    read_limit,
 )
 from worker.servers import Router, Server
 from worker.sglang import SGLangClient
