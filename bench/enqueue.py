@@ -275,7 +275,7 @@ def _job_batches(
     ids: list[list[int]],
 ) -> list[JobBatch]:
     """The jobs as the producer builds them, batch by batch."""
-    rendered = list(zip(rows, chats, texts, strict=True))
+    rendered = [(row, chat, text, None) for row, chat, text in zip(rows, chats, texts, strict=True)]
     opens = templater.opens_reasoning
     return [
         build_jobs(Rendered(rendered[i : i + BATCH], []), ids[i : i + BATCH], None, 0, opens).jobs

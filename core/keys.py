@@ -35,6 +35,11 @@ def feeder_lock(queue: str) -> str:
     return f"{PREFIX}:feeder:{queue}"
 
 
+def advancer_lock(queue: str) -> str:
+    """Held by the one worker that creates conversations' next turns (worker.advancer)."""
+    return f"{PREFIX}:advancer:{queue}"
+
+
 def feeder_wake(queue: str) -> str:
     """A list of at most one element: pushed to wake the feeder (new jobs, a raised budget)."""
     return f"{PREFIX}:feeder-wake:{queue}"

@@ -132,7 +132,8 @@ def _wait(
         while True:
             jobs = totals(repo.counts(run))
             bar.update(task, total=jobs["total"], completed=jobs["done"] + jobs["failed"])
-            if jobs["queued"] + jobs["running"] == 0:
+            # A conversation between two turns has no job open: its next one is coming.
+            if jobs["queued"] + jobs["running"] == 0 and not repo.conversations_under_way(run):
                 return jobs
             if worker.process.poll() is not None:
                 console.print("[red]the worker exited; see its log under the data dir[/]")

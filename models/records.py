@@ -32,6 +32,8 @@ class RunSpec:
     # recorded with another is then refused), else it was detected (the recorded one stays).
     family: str | None = None
     family_named: bool = False
+    # The enqueue trusted the tokenizer's own code (recorded: the advancer loads it too).
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class DatasetSpec:
     # The stop ids are the tokenizer's default, not the run file's: a dataset that exists
     # keeps the ones it stored (the default's rule may have changed since).
     stops_defaulted: bool = False
+    # 'all' or 'last' (datasets.turns); None: a new dataset takes 'all', one that exists
+    # keeps its own.
+    turns: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,35 @@ class NewJob:
         packed = pack(self.input_ids)
         object.__setattr__(self, "packed", packed)
         object.__setattr__(self, "prompt_sha256", prompt_sha256(packed))
+
+
+@dataclass(frozen=True, slots=True)
+class NewConversation:
+    """A multi-turn row of a ``turns = 'all'`` dataset and its first turn, templated.
+
+    ``source``: the row's messages and tools as JSON text (``{"messages", "tools"}``), its
+    identity hashed (``digest``); ``points``: its answer points (core.dialogue), at least
+    two; ``first``: the first turn's prompt as a job's columns (``messages``: that prompt's).
+    """
+
+    row_index: int
+    source: str
+    points: int
+    packed_ids: bytes
+    prompt_tokens: int
+    messages: str
+    opens_reasoning: bool
+
+    @property
+    def digest(self) -> bytes:
+        """The conversation's identity in its dataset."""
+        return hashlib.sha256(self.source.encode()).digest()
+
+
+def turn_sha256(conversation_digest: bytes, turn: int) -> bytes:
+    """A conversation turn's job identity (jobs.prompt_sha256): its prompt ids depend on the
+    model's earlier answers, so the turn is known by its conversation and index."""
+    return hashlib.sha256(b"turn" + conversation_digest + turn.to_bytes(4, "big")).digest()
 
 
 def prompt_sha256(packed: bytes) -> bytes:
@@ -263,6 +297,12 @@ class DatasetStatus:
     # Its reserve policy, and the completion tokens its next claim reserves under it.
     reserve: str = "worst_case"
     reserve_tokens: int | None = None
+    # What of a multi-turn row it answers (datasets.turns); its conversations by state, the
+    # ended ones by reason ("ended: REASON"); and the turns its conversations under way
+    # have still to come (jobs not created yet: each once the turn before it is done).
+    turns: str = "last"
+    conversations: dict[str, int] = field(default_factory=dict)
+    turns_to_come: int = 0
 
     @property
     def total(self) -> int:

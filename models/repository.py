@@ -12,6 +12,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from models.audit import AuditQueries
 from models.budgets import BudgetQueries
+from models.conversations import ConversationQueries, dataset_order_seed
 from models.counters import moved
 from models.db import driver_cursor
 from models.export import ExportQueries
@@ -117,6 +118,7 @@ def _insert_staged(
 
 class Repository(
     JobQueries,
+    ConversationQueries,
     FeedQueries,
     BudgetQueries,
     AuditQueries,
@@ -150,9 +152,16 @@ class Repository(
                     vocab_size=spec.vocab_size,
                     order_seed=new_seed() if spec.order_seed is None else spec.order_seed,
                     family=spec.family,
+                    trust_remote_code=spec.trust_remote_code,
                 )
                 .on_conflict_do_nothing(index_elements=[Run.name])
             )
+            if spec.trust_remote_code:  # consent given later counts too
+                conn.execute(
+                    update(Run)
+                    .where(Run.name == spec.name, Run.trust_remote_code.is_(False))
+                    .values(trust_remote_code=True)
+                )
             # A run created before think-end ids were recorded for every think pair (0005)
             # or before its tokenizer's size was (0006): the same tokenizer fills them in.
             same_tokenizer = and_(
@@ -209,6 +218,11 @@ class Repository(
         with self.engine.connect() as conn:
             return conn.scalar(select(Run.family).where(Run.name == run))
 
+    def dataset_turns(self, dataset_id: int) -> str:
+        """What a dataset answers of a multi-turn row: 'all' or 'last' (datasets.turns)."""
+        with self.engine.connect() as conn:
+            return str(conn.scalar(select(Dataset.turns).where(Dataset.id == dataset_id)))
+
     def order_seed(self, run: str) -> int | None:
         """The publishing order's seed of a run (None: no such run)."""
         with self.engine.connect() as conn:
@@ -229,6 +243,7 @@ class Repository(
                     sampling_params=spec.sampling_params,
                     budget_tokens=spec.budget_tokens,
                     budget_basis=spec.budget_basis,
+                    turns=spec.turns or "all",
                     **reserve,
                 )
                 .on_conflict_do_nothing(index_elements=[Dataset.run_id, Dataset.name])
@@ -273,14 +288,7 @@ class Repository(
         if not batch:
             return []
         with self.engine.begin() as conn:
-            seed = int(
-                conn.scalar(
-                    select(Run.order_seed)
-                    .join(Dataset, Dataset.run_id == Run.id)
-                    .where(Dataset.id == dataset_id)
-                )
-                or 0
-            )
+            seed = dataset_order_seed(conn, dataset_id)
             with driver_cursor(conn) as cursor:
                 ids = _copy_new_jobs(cursor, dataset_id, batch, seed) if expect_new else None
                 if ids is None:

@@ -66,6 +66,9 @@ class Run(Base):
     # The model family whose layout its generations have (core.families), detected at
     # enqueue or named by the run file; NULL for runs before 0010: readers detect it again.
     family: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # The enqueue's consent to the tokenizer's own code: the advancer (worker.advancer)
+    # loads the same tokenizer to template a conversation's next turn.
+    trust_remote_code: Mapped[bool] = mapped_column(Boolean, server_default=false())
     created_at: Mapped[datetime] = _now()
 
 
@@ -78,6 +81,7 @@ class Dataset(Base):
         CheckConstraint("budget_basis IN ('completion', 'total')", name="budget_basis_known"),
         CheckConstraint("used_tokens >= 0 AND reserved_tokens >= 0", name="ledger_nonnegative"),
         CheckConstraint("reserve IN ('observed', 'worst_case')", name="reserve_known"),
+        CheckConstraint("turns IN ('all', 'last')", name="turns_known"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -94,6 +98,9 @@ class Dataset(Base):
     # latest lengths (models.attempt), so the claim reads a column, never the generations.
     # NULL: too few lengths yet, the worst case is reserved.
     reserve: Mapped[str] = mapped_column(String(16), server_default="observed")
+    # 'all': every answer point of a multi-turn row is answered on-policy, one job per turn
+    # (a `conversations` row); 'last': the row's last point only, after the row's history.
+    turns: Mapped[str] = mapped_column(String(8), server_default="all")
     observed_reserve_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Jobs by state and the done jobs' tokens, moved by the statement of each transaction
     # that moves a job (models.counters): `status` reads them instead of scanning the jobs.
@@ -132,6 +139,13 @@ class Job(Base):
             postgresql_where="state = 'queued' AND published_at IS NOT NULL",
         ),
         CheckConstraint("reserved_tokens >= 0", name="reserved_nonnegative"),
+        Index(
+            "ix_jobs_conversation_turn",
+            "conversation_id",
+            "turn",
+            unique=True,
+            postgresql_where="conversation_id IS NOT NULL",
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -161,6 +175,49 @@ class Job(Base):
     created_at: Mapped[datetime] = _now()
     updated_at: Mapped[datetime] = _now()
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # A turn of an on-policy conversation (datasets.turns = 'all'): which, and its index
+    # from 0; NULL for a job of its own.
+    conversation_id: Mapped[int | None] = mapped_column(
+        ForeignKey("conversations.id", ondelete="CASCADE"), nullable=True
+    )
+    turn: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class Conversation(Base):
+    """A multi-turn row answered turn by turn on-policy (core.dialogue): the row as
+    normalised, how many answer points it has and how many turns (jobs) exist so far.
+
+    ``state``: 'active' (its latest turn is queued or running), 'waiting' (that turn is
+    settled; the advancer decides what comes next: the migration's trigger sets it),
+    'done' (every point answered) or 'ended' (``ended_reason``, one of
+    core.dialogue.END_REASONS or 'budget'; the turns after it are never generated).
+    """
+
+    __tablename__ = "conversations"
+    __table_args__ = (
+        UniqueConstraint("dataset_id", "digest"),
+        CheckConstraint(
+            "state IN ('active', 'waiting', 'ended', 'done')", name="conversation_state_known"
+        ),
+        Index("ix_conversations_waiting", "id", postgresql_where="state = 'waiting'"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"))
+    row_index: Mapped[int] = mapped_column(Integer)
+    # The row's identity in its dataset: the hash of its messages and tools as stored.
+    digest: Mapped[bytes] = mapped_column(BYTEA)
+    source: Mapped[Any] = mapped_column(JSON)  # {"messages": [...], "tools": [...] | null}
+    points: Mapped[int] = mapped_column(Integer)
+    turns: Mapped[int] = mapped_column(Integer, server_default="1")
+    state: Mapped[str] = mapped_column(String(16), server_default="active")
+    ended_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    created_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=True
+    )
+    updated_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=True
+    )
 
 
 class Generation(Base):

@@ -52,6 +52,15 @@ _DATASETS = table(
     column("done_completion_tokens"),
     column("first_done_at"),
     column("last_done_at"),
+    column("turns"),
+)
+_CONVERSATIONS = table(
+    "conversations",
+    column("dataset_id"),
+    column("state"),
+    column("ended_reason"),
+    column("points"),
+    column("turns"),
 )
 _JOBS = table("jobs", column("dataset_id"), column("state"), column("published_at"))
 _GENERATIONS = table(
@@ -99,13 +108,22 @@ def read_status(engine: Engine, run: str | None = None) -> StatusSnapshot:
         published = dict(conn.execute(_published()).all())
         seeds = dict(conn.execute(select(_RUNS.c.name, _RUNS.c.order_seed)).all())
         families = dict(conn.execute(select(_RUNS.c.name, _RUNS.c.family)).all())
+        conversations = conn.execute(_conversations()).all()
     ours = {int(d.id) for d in datasets}
     recent = [r for r in recent if r.dataset_id in ours]
     errors = [e for e in errors if e.dataset_id in ours]
     return StatusSnapshot(
         now=now,
         windows_s=WINDOWS_S,
-        datasets=[_dataset(d, [r for r in recent if r.dataset_id == d.id], now) for d in datasets],
+        datasets=[
+            _dataset(
+                d,
+                [r for r in recent if r.dataset_id == d.id],
+                now,
+                [c for c in conversations if c.dataset_id == d.id],
+            )
+            for d in datasets
+        ],
         servers=_servers(recent, errors, now),
         unattributed_errors=_unattributed(errors),
         order_seeds={r: int(seeds[r]) for r in sorted({d.run for d in datasets})},
@@ -142,6 +160,7 @@ def _datasets(run: str | None) -> Select[*tuple[Any, ...]]:
         _DATASETS.c.last_done_at,
         _DATASETS.c.reserve,
         _DATASETS.c.observed_reserve_tokens,
+        _DATASETS.c.turns,
         _DATASETS.c.sampling_params["max_new_tokens"].as_integer().label("max_new_tokens"),
     ).join(_RUNS, _RUNS.c.id == _DATASETS.c.run_id)
     stmt = stmt.order_by(_RUNS.c.name, _DATASETS.c.name)
@@ -224,8 +243,31 @@ def _covered(seconds: int, starts: Sequence[datetime | None], now: datetime) -> 
     return min(float(seconds), max(0.0, (now - min(known)).total_seconds()))
 
 
-def _dataset(row: Any, recent: Sequence[Any], now: datetime) -> DatasetStatus:
+def _conversations() -> Select[*tuple[Any, ...]]:
+    """Conversations by dataset, state and end reason, with the turns still to come of
+    those under way (a scan of the conversations: one row per multi-turn row, far fewer
+    than the jobs)."""
+    c = _CONVERSATIONS.c
+    under_way = c.state.in_(("active", "waiting"))
+    return select(
+        c.dataset_id,
+        c.state,
+        c.ended_reason,
+        func.count().label("n"),
+        func.coalesce(func.sum(c.points - c.turns).filter(under_way), 0).label("to_come"),
+    ).group_by(c.dataset_id, c.state, c.ended_reason)
+
+
+def _dataset(
+    row: Any, recent: Sequence[Any], now: datetime, conversations: Sequence[Any] = ()
+) -> DatasetStatus:
+    by_state: Counter[str] = Counter()
+    for c in conversations:
+        by_state[c.state if c.ended_reason is None else f"ended: {c.ended_reason}"] += int(c.n)
     return DatasetStatus(
+        turns=str(row.turns),
+        conversations=dict(by_state),
+        turns_to_come=sum(int(c.to_come) for c in conversations),
         run=row.run,
         dataset=row.name,
         states={state.value: int(getattr(row, state.value)) for state in JobState},

@@ -11,7 +11,7 @@ import heapq
 import importlib.metadata
 import random
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,7 +23,7 @@ import redis
 
 from core.broker import Publisher
 from models.ledger import format_tokens
-from models.records import DatasetSpec, JobBatch, RunSpec
+from models.records import DatasetSpec, RunSpec
 from models.repository import Repository
 from producer.parallel import (
     AUTO_START_BYTES,
@@ -48,15 +48,37 @@ VERSIONED_PACKAGES = ("eaglegen", "transformers", "tokenizers", "jinja2")
 Progress = Callable[[str, int], None]
 
 
+@dataclass(frozen=True)
+class Written:
+    """What a batch added: new jobs (a new conversation's first turn among them), and of
+    the new conversations, how many and their answer points."""
+
+    jobs: int
+    conversations: int = 0
+    conversation_turns: int = 0
+
+
 class Sink(Protocol):
-    """Where prepared batches go; returns how many jobs were new."""
+    """Where prepared batches go; says what was new."""
 
     @property
     def budget_tokens(self) -> int | None:
         """The dataset's budget in force (None: unlimited)."""
         ...
 
-    def write(self, prepared: Prepared) -> int: ...
+    @property
+    def turns(self) -> str:
+        """What of a multi-turn row the dataset answers (datasets.turns)."""
+        ...
+
+    def write(self, prepared: Prepared) -> Written: ...
+
+
+def _new_conversations(prepared: Prepared, new: Iterable[bytes]) -> Written:
+    """The ``new`` conversations' count and answer points (digests as stored)."""
+    points = {c.digest: c.points for c in prepared.conversations}
+    turns = [points[digest] for digest in new]
+    return Written(len(turns), len(turns), sum(turns))
 
 
 @dataclass
@@ -68,6 +90,7 @@ class DatabaseSink:
     publisher: Publisher
     dataset_id: int
     budget_tokens: int | None
+    turns: str = "last"
     # Until a batch holds prompts the dataset has (a re-run, repeats in the file), jobs are
     # expected new, which the repository inserts the cheap way (see insert_jobs).
     expect_new: bool = True
@@ -76,14 +99,18 @@ class DatabaseSink:
     # New jobs stored so far (committed), counted in the writer's thread as each batch is.
     stored: int = 0
 
-    def write(self, prepared: Prepared) -> int:
+    def write(self, prepared: Prepared) -> Written:
         new_ids = self.repo.insert_jobs(self.dataset_id, prepared.jobs, expect_new=self.expect_new)
-        self.stored += len(new_ids)
+        begun = _new_conversations(
+            prepared, self.repo.insert_conversations(self.dataset_id, prepared.conversations)
+        )
+        new = len(new_ids) + begun.jobs
+        self.stored += new
         self.expect_new = self.expect_new and len(new_ids) == len(prepared.jobs)
         self.repo.record_rejections(self.dataset_id, prepared.rejections)
-        if new_ids:
+        if new:
             self._wake_feeder()
-        return len(new_ids)
+        return Written(new, begun.conversations, begun.conversation_turns)
 
     def _wake_feeder(self) -> None:
         """Tell the feeder, which publishes stored jobs in their order (worker.feeder), that
@@ -104,12 +131,21 @@ class DrySink:
     """
 
     budget_tokens: int | None
+    turns: str = "all"
     seen: set[int] = field(default_factory=set)
 
-    def write(self, prepared: Prepared) -> int:
+    def write(self, prepared: Prepared) -> Written:
         before = len(self.seen)
         self.seen.update(int.from_bytes(sha[:8]) for sha in prepared.jobs.prompt_sha256)
-        return len(self.seen) - before
+        jobs = len(self.seen) - before
+        new = []
+        for conversation in prepared.conversations:
+            key = int.from_bytes(conversation.digest[:8])
+            if key not in self.seen:
+                self.seen.add(key)
+                new.append(conversation.digest)
+        begun = _new_conversations(prepared, new)
+        return Written(jobs + begun.jobs, begun.conversations, begun.conversation_turns)
 
 
 class EnqueueInterrupted(KeyboardInterrupt):
@@ -201,6 +237,7 @@ def run_spec(plan: RunPlan, templater: Templater) -> RunSpec:
         order_seed=plan.order_seed,
         family=templater.family.name,
         family_named=templater.family_named,
+        trust_remote_code=plan.trust_remote_code,
     )
 
 
@@ -272,6 +309,7 @@ def _enqueue_datasets(
                 int(params[dataset.name]["max_new_tokens"]),
                 sinks[dataset.name].budget_tokens,
                 dataset.budget_basis,
+                turns=sinks[dataset.name].turns,
             )
             enqueue_dataset(
                 preparer, plan, dataset, sinks[dataset.name], stats, progress, max_row_bytes
@@ -376,7 +414,7 @@ def _sinks(
     publisher: Publisher | None,
 ) -> dict[str, Sink]:
     if repo is None or publisher is None:
-        return {d.name: DrySink(d.budget_tokens) for d in plan.datasets}
+        return {d.name: DrySink(d.budget_tokens, d.turns or "all") for d in plan.datasets}
     run_id = repo.ensure_run(run_spec(plan, templater))
     sinks: dict[str, Sink] = {}
     for d in plan.datasets:
@@ -390,9 +428,16 @@ def _sinks(
                 budget_basis=d.budget_basis.value,
                 reserve=None if d.reserve is None else d.reserve.value,
                 stops_defaulted=not plan.names_stop_ids(d),
+                turns=d.turns,
             ),
         )
-        sinks[d.name] = DatabaseSink(repo, publisher, dataset_id, repo.budget_of(dataset_id))
+        sinks[d.name] = DatabaseSink(
+            repo,
+            publisher,
+            dataset_id,
+            repo.budget_of(dataset_id),
+            repo.dataset_turns(dataset_id),
+        )
     return sinks
 
 
@@ -421,7 +466,7 @@ def enqueue_dataset(
             "sample needs the whole file): fix it and run the same enqueue again"
         )
     preparing: deque[tuple[int, Future[Prepared] | Future[str]]] = deque()
-    writing: deque[tuple[int, Prepared, Future[int]]] = deque()
+    writing: deque[tuple[int, Prepared, Future[Written]]] = deque()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="enqueue-writer") as writer:
 
         def write_oldest() -> None:
@@ -432,7 +477,7 @@ def enqueue_dataset(
                 _account(stats, *writing.popleft(), dataset.name, progress)
 
         for batch in batches(rows, BATCH_ROWS):
-            future = preparer.submit(batch, plan.max_context_len, stats.max_new_tokens)
+            future = preparer.submit(batch, plan.max_context_len, stats.max_new_tokens, sink.turns)
             preparing.append((len(batch), future))
             while len(preparing) > preparer.ahead:
                 write_oldest()
@@ -474,27 +519,34 @@ def _account(
     stats: DatasetStats,
     rows: int,
     prepared: Prepared,
-    written: Future[int],
+    written: Future[Written],
     dataset: str,
     progress: Progress | None,
 ) -> None:
-    new = written.result()  # re-raises a failed write here, in the caller's thread
+    done = written.result()  # re-raises a failed write here, in the caller's thread
+    new = done.jobs
     stats.rows += rows
     stats.accepted += new
     stats.duplicates += rows - len(prepared.rejections) - new
     stats.rejected_by_reason.update(r.reason for r in prepared.rejections)
     stats.prompt_lengths.extend(prepared.jobs.prompt_tokens)
+    stats.prompt_lengths.extend(c.prompt_tokens for c in prepared.conversations)
+    stats.conversations += done.conversations
+    stats.conversation_turns += done.conversation_turns
+    stats.conversation_points.extend(c.points for c in prepared.conversations)
     # Prompt tokens of new jobs only matter for the 'total' basis; when some were
     # duplicates, count the batch's share.
-    stats.accepted_prompt_tokens += _new_share(prepared.jobs, new)
+    stats.accepted_prompt_tokens += _new_share(
+        prepared.jobs.prompt_tokens, new - done.conversations
+    ) + _new_share([c.prompt_tokens for c in prepared.conversations], done.conversations)
     if progress is not None:
         progress(dataset, rows)
 
 
-def _new_share(jobs: JobBatch, new: int) -> int:
-    if not jobs:
+def _new_share(prompt_tokens: Sequence[int], new: int) -> int:
+    if not prompt_tokens:
         return 0
-    return round(sum(jobs.prompt_tokens) * new / len(jobs))
+    return round(sum(prompt_tokens) * new / len(prompt_tokens))
 
 
 def select_rows(rows: Iterable[RawRow], limit: int | None, seed: int | None) -> Iterator[RawRow]:

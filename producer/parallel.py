@@ -116,7 +116,11 @@ class Preparer:
         return self._forked
 
     def submit(
-        self, batch: list[RawRow], max_context_len: int | None, max_new_tokens: int
+        self,
+        batch: list[RawRow],
+        max_context_len: int | None,
+        max_new_tokens: int,
+        turns: str = "last",
     ) -> Future[Prepared] | Future[str]:
         """Start preparing ``batch``; the future holds its jobs and rejections."""
         self._rows += len(batch)
@@ -126,12 +130,12 @@ class Preparer:
             self._start_pool()
         if self._pool is not None and (not auto or any(r.done() for r in self._ready)):
             wire = [_to_wire(raw) for raw in batch]
-            return self._pool.submit(_prepare_batch, wire, max_context_len, max_new_tokens)
+            return self._pool.submit(_prepare_batch, wire, max_context_len, max_new_tokens, turns)
         if not self.templater.is_fast:  # a Python tokenizer holds the GIL: nothing to overlap
             done: Future[Prepared] = Future()
-            done.set_result(prepare(self.templater, batch, max_context_len, max_new_tokens))
+            done.set_result(prepare(self.templater, batch, max_context_len, max_new_tokens, turns))
             return done
-        rendered = render(self.templater, batch)
+        rendered = render(self.templater, batch, turns)
         return self._tokenizing.submit(
             tokenize, self.templater, rendered, max_context_len, max_new_tokens
         )
@@ -274,11 +278,13 @@ def _ready() -> None:
     """A no-op task: done once some worker has run its initializer."""
 
 
-def _prepare_batch(batch: list[_WireRow], max_context_len: int | None, max_new_tokens: int) -> str:
+def _prepare_batch(
+    batch: list[_WireRow], max_context_len: int | None, max_new_tokens: int, turns: str
+) -> str:
     """Pool task: prepare one batch with this worker's Templater; the spool file's name."""
     assert _worker_templater is not None, "the pool initializer did not run"
     rows = [_from_wire(row) for row in batch]
-    prepared = prepare(_worker_templater, rows, max_context_len, max_new_tokens)
+    prepared = prepare(_worker_templater, rows, max_context_len, max_new_tokens, turns)
     descriptor, name = tempfile.mkstemp(dir=_worker_spool, suffix=".batch")
     with os.fdopen(descriptor, "wb") as handle:
         pickle.dump(prepared, handle, protocol=pickle.HIGHEST_PROTOCOL)

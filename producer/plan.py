@@ -29,9 +29,14 @@ class DatasetPlan:
     # What its claims reserve (models.ledger.ReservePolicy); None: the default for a new
     # dataset, the stored policy for one that exists.
     reserve: ReservePolicy | None = None
+    # "all" or "last" (runfile.DatasetEntry.turns); None: "all" for a new dataset, the
+    # recorded choice for one that exists.
+    turns: str | None = None
 
     def __post_init__(self) -> None:
         check_name("dataset", self.name)
+        if self.turns not in (None, "all", "last"):
+            raise ValueError(f"turns must be 'all' or 'last', not {self.turns!r}")
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ def plan_from_run_file(run_file: RunFile) -> RunPlan:
                 limit=d.limit,
                 sample_seed=d.sample_seed,
                 reserve=d.reserve,
+                turns=d.turns,
             )
             for d in run_file.datasets
         ],
@@ -111,6 +117,7 @@ def plan_from_flags(
     model: str | None = None,
     order_seed: int | None = None,
     family: str | None = None,
+    turns: str | None = None,
 ) -> RunPlan:
     """The quick form: one dataset file and the same knobs as flags."""
     missing = [
@@ -146,6 +153,7 @@ def plan_from_flags(
                 budget_basis=basis,
                 limit=limit,
                 sample_seed=sample_seed,
+                turns=turns,
             )
         ],
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -29,6 +29,9 @@ class DatasetEntry(BaseModel):
     reserve: ReservePolicy | None = None
     limit: int | None = Field(default=None, ge=1)
     sample_seed: int | None = None
+    # What of a multi-turn row is answered (core.dialogue): "all" its turns, on-policy, or
+    # its "last" only; None: a new dataset answers all, one that exists keeps its choice.
+    turns: Literal["all", "last"] | None = None
 
     @field_validator("budget_tokens", mode="before")
     @classmethod

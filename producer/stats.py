@@ -36,6 +36,14 @@ class DatasetStats:
     rejected_by_reason: Counter[str] = field(default_factory=Counter)
     prompt_lengths: array[int] = field(default_factory=lambda: array("I"))
     accepted_prompt_tokens: int = 0
+    # What of a multi-turn row is answered (datasets.turns), and with "all": the rows that
+    # are conversations (new ones, and the answer points of each row read).
+    turns: str = "last"
+    conversations: int = 0
+    conversation_points: array[int] = field(default_factory=lambda: array("I"))
+    # Turns the new conversations will have at most (their answer points; a conversation
+    # may end sooner): each a job once the one before it is done.
+    conversation_turns: int = 0
 
     @property
     def rejected(self) -> int:
@@ -44,7 +52,8 @@ class DatasetStats:
 
     def worst_case_tokens(self) -> int:
         """Tokens the accepted jobs may consume at most, on the budget's basis."""
-        generated = self.max_new_tokens * self.accepted
+        jobs = self.accepted - self.conversations + self.conversation_turns
+        generated = self.max_new_tokens * jobs
         if self.budget_basis is BudgetBasis.TOTAL:
             return generated + self.accepted_prompt_tokens
         return generated
@@ -61,6 +70,12 @@ class DatasetStats:
             "worst_case_tokens": self.worst_case_tokens(),
             "budget_tokens": self.budget_tokens,
             "budget_basis": self.budget_basis.value,
+            "turns": self.turns,
+            "conversations": {
+                "new": self.conversations,
+                "turns_to_come": self.conversation_turns,
+                "turns_per_conversation": percentiles(self.conversation_points),
+            },
         }
 
 

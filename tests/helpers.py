@@ -48,16 +48,20 @@ def enqueue_file(
     dataset: str = "d",
     max_new_tokens: int = 256,
     tokenizer: Path = TOKENIZER_DIR,
+    turns: str = "last",
     **plan: Any,
 ) -> DatasetStats:
-    """Enqueue ``path`` (with the bundled tokenizer by default), as `eaglegen enqueue` does."""
+    """Enqueue ``path`` (with the bundled tokenizer by default), as `eaglegen enqueue` does;
+    one job per row unless ``turns="all"`` (the default of a run file's dataset)."""
     report = run_enqueue(
         settings,
         settings.services(),
         RunPlan(
             run=run,
             tokenizer=tokenizer,
-            datasets=[DatasetPlan(dataset, path, sampling={"max_new_tokens": max_new_tokens})],
+            datasets=[
+                DatasetPlan(dataset, path, sampling={"max_new_tokens": max_new_tokens}, turns=turns)
+            ],
             **plan,
         ),
         quiet=True,

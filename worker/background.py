@@ -19,6 +19,8 @@ from celery.signals import worker_ready
 from core import heartbeat, keys, wire
 from core.broker import redis_now, wake_feeder
 from core.heartbeat import Heartbeat, ServerBeat
+from worker.advancer import INTERVAL_S as ADVANCE_INTERVAL_S
+from worker.advancer import Advancer
 from worker.controller import LimitControllers
 from worker.feeder import Feeder, FeedLog
 from worker.intake import INTERVAL_S as INTAKE_INTERVAL_S
@@ -48,6 +50,7 @@ class Background:
         self._threads: list[threading.Thread] = []
         self._consuming_lock = threading.Lock()
         self._leadership = Leadership(ctx.redis, ctx.name)
+        self._advancer = Advancer(ctx.repo)
         s = ctx.settings
         # One concurrency controller per server whose limit is not fixed (worker.controller).
         self.limits = LimitControllers.for_worker(
@@ -78,6 +81,7 @@ class Background:
         self._loop("leases", min(s.lease_seconds, s.slot_lease_seconds) / 3, self.renew)
         self._loop("intake", INTAKE_INTERVAL_S, self.take)
         self._loop("reconciler", s.reconcile_interval_s, self.reconcile_if_leader)
+        self._loop("advancer", ADVANCE_INTERVAL_S, self.advance_if_leader)
         self._start_thread("feeder", self._feed_loop)
         if self.limits.controllers:
             self._loop("concurrency", s.concurrency_interval_s, self.limits.step)
@@ -91,6 +95,7 @@ class Background:
         try:
             heartbeat.remove(self.ctx.redis, socket.gethostname(), os.getpid())
             self._leadership.release(keys.feeder_lock(self.ctx.settings.queue))
+            self._leadership.release(keys.advancer_lock(self.ctx.settings.queue))
         except redis.RedisError:  # Redis down: the heartbeat expires by itself
             log.warning("could not remove the heartbeat; it expires in a few beats")
 
@@ -256,6 +261,15 @@ class Background:
         if report.expired_leases or report.republished:
             log.warning("reconciler: %s", report.as_dict())
             wake_feeder(self.ctx.redis, s.queue)
+
+    def advance_if_leader(self) -> None:
+        """Create conversations' next turns (worker.advancer) when this worker holds (or
+        wins) the Redis lock; wake the feeder for them."""
+        lock = keys.advancer_lock(self.ctx.settings.queue)
+        if not self._leadership.hold(lock, max(10.0, 5 * ADVANCE_INTERVAL_S)):
+            return
+        if self._advancer.advance():
+            wake_feeder(self.ctx.redis, self.ctx.settings.queue)
 
     def _announce_skipped(self, job_ids: list[int]) -> None:
         """Tell Flower that these jobs, which it saw sent back, ended skipped (as the task

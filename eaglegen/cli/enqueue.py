@@ -68,6 +68,14 @@ def enqueue(
             "tokenizer's special tokens and template)"
         ),
     ] = None,
+    turns: Annotated[
+        str | None,
+        typer.Option(
+            help="Of a multi-turn row: 'all' its turns, each answered by the model after its "
+            "own earlier answers, or the 'last' only, after the row's (default: all for a "
+            "new dataset; one that exists keeps its choice)"
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option(help="Read and template only; write nothing")] = False,
     workers: Annotated[
         int | None,
@@ -94,10 +102,10 @@ def enqueue(
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     if source.suffix == ".toml":
-        if run or dataset or tokenizer or family:
+        if run or dataset or tokenizer or family or turns:
             raise ValueError(
-                f"{source}: a run file names the run, datasets, tokenizer and family; "
-                "drop --run/--dataset/--tokenizer/--family"
+                f"{source}: a run file names the run, datasets, tokenizer, family and turns; "
+                "drop --run/--dataset/--tokenizer/--family/--turns"
             )
         plan = plan_from_run_file(load_run_file(source))
         if order_seed is not None:
@@ -119,6 +127,7 @@ def enqueue(
             model=model,
             order_seed=order_seed,
             family=family,
+            turns=turns,
             sampling={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p},
         )
     for dataset_plan in plan.datasets:  # a bad input is the first thing to hear about

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.table import Table
 
 from eaglegen.report.text import shown
@@ -21,6 +23,7 @@ def enqueue_table(report: RunReport) -> Table:
         "accepted",
         "rejected",
         "duplicates",
+        "turns",
         "prompt p50/p99/max",
         "worst case",
         "budget",
@@ -36,8 +39,22 @@ def enqueue_table(report: RunReport) -> Table:
             f"{doc['accepted']:,}",
             f"{doc['rejected']:,}" + (f" ({reasons})" if reasons else ""),
             f"{doc['duplicates']:,}",
+            turns_cell(doc),
             f"{pt['p50']}/{pt['p99']}/{pt['max']}",
             format_tokens(doc["worst_case_tokens"]),
             format_tokens(doc["budget_tokens"]),
         )
     return table
+
+
+def turns_cell(doc: dict[str, Any]) -> str:
+    """What of a multi-turn row is answered; with "all", the new conversations, their turns
+    per conversation (p50/p90/max) and the turns they hold in all."""
+    conv = doc["conversations"]
+    if doc["turns"] != "all" or not conv["new"]:
+        return str(doc["turns"])
+    per = conv["turns_per_conversation"]
+    return (
+        f"all: {conv['new']:,} conversations, {per['p50']}/{per['p90']}/{per['max']} "
+        f"turns each, {conv['turns_to_come']:,} in all"
+    )

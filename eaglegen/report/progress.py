@@ -103,7 +103,8 @@ def dataset_progress(dataset: DatasetStatus, fallback_mean: float | None = None)
     length to assume when the dataset has no done job yet (the run's mean)."""
     rates = tuple(window_rate(w) for w in dataset.windows)
     whole = whole_run_rate(dataset)
-    remaining = dataset.states["queued"] + dataset.states["running"]
+    # Turns of conversations under way count though their jobs do not exist yet.
+    remaining = dataset.states["queued"] + dataset.states["running"] + dataset.turns_to_come
     left = None if dataset.budget_tokens is None else dataset.budget_tokens - dataset.used_tokens
     finished = _finished(remaining, left)
     steady = rates[-1] if rates else None

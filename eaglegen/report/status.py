@@ -77,6 +77,8 @@ def status_view(
     """The terminal view: datasets, servers, the window and a line per run."""
     document = status_document(snapshot, beats, redis_state)
     parts: list[Any] = [_datasets_table(document), _budgets_table(document)]
+    if any(len(d["conversations"]) > 1 for d in document["datasets"]):
+        parts.append(_conversations_table(document))
     if document["servers"]:
         parts.append(_servers_table(document, known=beats is not None))
     if document["datasets"]:
@@ -116,6 +118,8 @@ def _dataset_doc(d: DatasetStatus, progress: Progress, snapshot: StatusSnapshot)
         "run": d.run,
         "dataset": d.dataset,
         "jobs": {**d.states, "total": d.total},
+        "turns": d.turns,
+        "conversations": {**d.conversations, "turns_to_come": d.turns_to_come},
         "prompt_tokens": d.done_prompt_tokens,
         "completion_tokens": d.done_completion_tokens,
         "budget": {
@@ -215,6 +219,28 @@ def _datasets_table(document: dict[str, Any]) -> Table:
             _rate(d, "run"),
             _rate(d, "10m", "completions_per_min"),
             _eta(d),
+        )
+    return table
+
+
+def _conversations_table(document: dict[str, Any]) -> Table:
+    """Datasets answered turn by turn: conversations done, under way and ended (by reason),
+    and the turns still to come (their jobs are created one by one)."""
+    table = Table(title="conversations (turns = all)", title_justify="left")
+    for name in ("run", "dataset", "done", "under way", "ended", "turns to come"):
+        table.add_column(name, justify="left" if name in ("run", "dataset") else "right")
+    for d in document["datasets"]:
+        conv = d["conversations"]
+        if len(conv) <= 1:
+            continue
+        ended = {k.removeprefix("ended: "): n for k, n in conv.items() if k.startswith("ended")}
+        table.add_row(
+            shown(d["run"]),
+            shown(d["dataset"]),
+            f"{conv.get('done', 0):,}",
+            f"{conv.get('active', 0) + conv.get('waiting', 0):,}",
+            ", ".join(f"{shown(k)} {n:,}" for k, n in sorted(ended.items())) or "0",
+            f"{conv['turns_to_come']:,}",
         )
     return table
 

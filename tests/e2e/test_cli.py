@@ -112,7 +112,13 @@ budget_tokens = "50k"
     assert document["dry_run"] is True
     chat = document["datasets"]["chat"]
     assert (chat["accepted"], chat["rejected"]) == (30, 1)
-    assert chat["budget_tokens"] == 50_000 and chat["worst_case_tokens"] == 30 * 4096
+    # The multi-turn rows are conversations (turns = "all" by default): every turn of each
+    # may generate up to max_new_tokens.
+    turns = chat["conversations"]
+    assert chat["turns"] == "all" and turns["new"] > 0
+    assert turns["turns_to_come"] >= 2 * turns["new"]
+    jobs = chat["accepted"] - turns["new"] + turns["turns_to_come"]
+    assert chat["budget_tokens"] == 50_000 and chat["worst_case_tokens"] == jobs * 4096
 
 
 def test_unknown_format_is_a_clear_error_before_anything_is_written(
@@ -176,8 +182,9 @@ def test_demo_runs_end_to_end_on_embedded_services(tmp_path: Path) -> None:
     result = eaglegen("demo", "--json", "--data-dir", str(tmp_path / "demo"), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout)
-    assert summary["jobs"]["total"] == 300
-    assert summary["jobs"]["done"] == 300
+    # 300 rows, the multi-turn ones answered turn by turn: more jobs than rows, all done.
+    assert summary["jobs"]["total"] > 300
+    assert summary["jobs"]["done"] == summary["jobs"]["total"]
     assert summary["completion_tokens"] > 0 and summary["tokens_per_s"] > 0
     assert summary["data_dir"] == str((tmp_path / "demo").resolve())
     assert (tmp_path / "demo" / "postgres" / "PG_VERSION").is_file()  # the data stays

@@ -39,7 +39,7 @@ def plan(tokenizer: Path, data: Path, run: str, *, trust: bool) -> RunPlan:
         run=run,
         tokenizer=tokenizer,
         trust_remote_code=trust,
-        datasets=[DatasetPlan("d", data, sampling={"max_new_tokens": 64})],
+        datasets=[DatasetPlan("d", data, sampling={"max_new_tokens": 64}, turns="last")],
     )
 
 

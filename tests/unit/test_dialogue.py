@@ -168,3 +168,25 @@ def test_a_template_that_drops_earlier_reasoning_does_not_extend_the_previous_pr
     assert second.startswith(whole) is extends
     if not extends:  # Qwen3 writes earlier turns without their reasoning
         assert "Any will do." in whole and "Any will do." not in second
+
+
+def test_a_multi_turn_row_starts_at_its_first_answer_point_and_a_single_turn_row_is_a_job() -> None:
+    from producer.prepare import first_turn
+    from producer.rows import to_prompt
+
+    row = to_prompt(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"},
+                {"role": "assistant", "content": "Bye!"},  # the answer regenerated: dropped
+            ]
+        }
+    )
+    prompt, whole = first_turn(row)
+    assert [m["content"] for m in prompt.messages] == ["Be brief.", "Hi"]
+    assert whole is row and len(whole.messages) == 4
+    single = to_prompt({"messages": [{"role": "user", "content": "Hi"}]})
+    assert first_turn(single) == (single, None)

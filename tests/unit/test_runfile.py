@@ -169,3 +169,24 @@ def test_the_plan_tells_whether_the_run_file_names_its_stop_ids(tmp_path: Path) 
     path.write_text(RUN_FILE)
     plan = plan_from_run_file(load_run_file(path))
     assert not any(plan.names_stop_ids(d) for d in plan.datasets)
+
+
+def test_turns_is_all_or_last_per_dataset_and_unset_by_default(tmp_path: Path) -> None:
+    base = 'run = "r"\ntokenizer = "tok"\n[[datasets]]\nname = "a"\npath = "a.jsonl"\n'
+    path = tmp_path / "run.toml"
+    path.write_text(base + 'turns = "last"\n[[datasets]]\nname = "b"\npath = "b.jsonl"\n')
+    plan = plan_from_run_file(load_run_file(path))
+    # None: a new dataset answers all turns, one that exists keeps what it recorded.
+    assert [d.turns for d in plan.datasets] == ["last", None]
+    path.write_text(base + 'turns = "first"\n')
+    with pytest.raises(ValueError, match="turns"):
+        load_run_file(path)
+    with pytest.raises(ValueError, match="turns must be 'all' or 'last'"):
+        plan_from_flags(
+            tmp_path / "d.jsonl",
+            run="r",
+            dataset="d",
+            tokenizer=tmp_path,
+            sampling={},
+            turns="every",
+        )

@@ -1,0 +1,357 @@
+"""Queries of on-policy conversations (datasets.turns = 'all'): storing a row's first turn,
+and what the advancer (worker.advancer) reads and decides after each turn.
+
+A conversation's turns are jobs like any other (claimed, recorded, budgeted, retried); what
+is particular to them is that turn ``t + 1`` comes into being only once turn ``t`` is done,
+its prompt made of the model's own earlier answers. The decision is one transaction that
+re-checks what it read (`settle_conversation`), and the unique (conversation, turn) key
+makes a second insert of a turn impossible: each turn is created once, whatever crashes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, Engine, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from models.counters import moved
+from models.order import sort_key
+from models.records import NewConversation, turn_sha256
+from models.schema import Conversation, Dataset, Generation, Job, Run
+from models.states import JobState
+from models.tokens import unpack
+
+ACTIVE, WAITING, ENDED, DONE = "active", "waiting", "ended", "done"
+# A conversation whose next turn its dataset's spent budget skipped.
+BUDGET = "budget"
+
+
+@dataclass(frozen=True)
+class WaitingConversation:
+    """A conversation whose latest turn is settled: what deciding its next step needs."""
+
+    id: int
+    dataset_id: int
+    run_id: int
+    source: Any
+    points: int
+    turns: int
+    max_new_tokens: int
+    max_context_len: int | None
+    sampling_params: dict[str, Any]  # its dataset's, stop ids among them
+
+
+@dataclass(frozen=True)
+class RunTokenization:
+    """How a run tokenized its prompts, as recorded: what loading its tokenizer again needs."""
+
+    tokenizer_path: str
+    trust_remote_code: bool
+    chat_template_kwargs: dict[str, Any]
+    family: str | None
+    tokenizer_sha256: str
+    chat_template_sha256: str
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """One turn of a conversation as it stands: its job's state and, once done, its output."""
+
+    turn: int
+    state: str
+    opens_reasoning: bool
+    output_ids: list[int] | None
+    finish_type: str | None
+
+
+@dataclass(frozen=True)
+class NextTurn:
+    """The job of a conversation's next turn, templated."""
+
+    input_ids: list[int]
+    messages: str  # JSON text: {"messages": [...], "tools": [...] | null}
+    opens_reasoning: bool
+
+
+@dataclass(frozen=True)
+class ConversationCounts:
+    """A dataset's conversations by state, and the ended ones by reason."""
+
+    by_state: dict[str, int]
+    ended_by_reason: dict[str, int]
+    turns_created: int
+    points: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_state.values())
+
+
+class ConversationQueries:
+    """Mixin of the Repository for conversations."""
+
+    engine: Engine
+
+    def insert_conversations(self, dataset_id: int, rows: Sequence[NewConversation]) -> list[bytes]:
+        """Store the conversations the dataset lacks, each with its first turn's job, queued;
+        the digests of those that were new."""
+        if not rows:
+            return []
+        with self.engine.begin() as conn:
+            seed = dataset_order_seed(conn, dataset_id)
+            by_digest = {row.digest: row for row in rows}
+            created = conn.execute(
+                pg_insert(Conversation)
+                .values(
+                    [
+                        {
+                            "dataset_id": dataset_id,
+                            "row_index": row.row_index,
+                            "digest": digest,
+                            "source": json.loads(row.source),
+                            "points": row.points,
+                        }
+                        for digest, row in by_digest.items()
+                    ]
+                )
+                .on_conflict_do_nothing(
+                    index_elements=[Conversation.dataset_id, Conversation.digest]
+                )
+                .returning(Conversation.id, Conversation.digest)
+            ).all()
+            if not created:
+                return []
+            jobs = []
+            for conversation_id, digest in created:
+                row = by_digest[bytes(digest)]
+                sha = turn_sha256(bytes(digest), 0)
+                jobs.append(
+                    {
+                        "dataset_id": dataset_id,
+                        "row_index": row.row_index,
+                        "prompt_sha256": sha,
+                        "input_ids": unpack(row.packed_ids),
+                        "prompt_tokens": row.prompt_tokens,
+                        "messages": json.loads(row.messages),
+                        "opens_reasoning": row.opens_reasoning,
+                        "sort_key": sort_key(seed, sha),
+                        "conversation_id": conversation_id,
+                        "turn": 0,
+                    }
+                )
+            conn.execute(pg_insert(Job), jobs)
+            conn.execute(
+                update(Dataset)
+                .where(Dataset.id == dataset_id)
+                .values(moved(None, JobState.QUEUED, len(jobs)))
+            )
+            return [bytes(digest) for _, digest in created]
+
+    def waiting_conversations(self, limit: int) -> list[WaitingConversation]:
+        """Conversations whose latest turn is settled, oldest first."""
+        stmt = (
+            select(
+                Conversation.id,
+                Conversation.dataset_id,
+                Dataset.run_id,
+                Conversation.source,
+                Conversation.points,
+                Conversation.turns,
+                Dataset.sampling_params,
+                Run.max_context_len,
+            )
+            .join(Dataset, Dataset.id == Conversation.dataset_id)
+            .join(Run, Run.id == Dataset.run_id)
+            .where(Conversation.state == WAITING)
+            .order_by(Conversation.id)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [
+                WaitingConversation(
+                    id=int(r.id),
+                    dataset_id=int(r.dataset_id),
+                    run_id=int(r.run_id),
+                    source=r.source,
+                    points=int(r.points),
+                    turns=int(r.turns),
+                    max_new_tokens=int((r.sampling_params or {}).get("max_new_tokens", 0)),
+                    max_context_len=r.max_context_len,
+                    sampling_params=dict(r.sampling_params or {}),
+                )
+                for r in conn.execute(stmt)
+            ]
+
+    def run_tokenization(self, run_id: int) -> RunTokenization:
+        """What the run recorded of its tokenizer and template."""
+        with self.engine.connect() as conn:
+            r = conn.execute(
+                select(
+                    Run.tokenizer_path,
+                    Run.trust_remote_code,
+                    Run.chat_template_kwargs,
+                    Run.family,
+                    Run.tokenizer_sha256,
+                    Run.chat_template_sha256,
+                ).where(Run.id == run_id)
+            ).one()
+        return RunTokenization(
+            r.tokenizer_path,
+            bool(r.trust_remote_code),
+            dict(r.chat_template_kwargs or {}),
+            r.family,
+            r.tokenizer_sha256,
+            r.chat_template_sha256,
+        )
+
+    def conversation_turns(self, conversation_id: int) -> list[TurnResult]:
+        """A conversation's turns in order, each with its output once done."""
+        stmt = (
+            select(
+                Job.turn,
+                Job.state,
+                Job.opens_reasoning,
+                Generation.output_ids,
+                Generation.finish_type,
+            )
+            .outerjoin(Generation, Generation.job_id == Job.id)
+            .where(Job.conversation_id == conversation_id)
+            .order_by(Job.turn)
+        )
+        with self.engine.connect() as conn:
+            return [
+                TurnResult(
+                    turn=int(r.turn),
+                    state=r.state,
+                    opens_reasoning=bool(r.opens_reasoning),
+                    output_ids=None if r.output_ids is None else list(r.output_ids),
+                    finish_type=r.finish_type,
+                )
+                for r in conn.execute(stmt)
+            ]
+
+    def settle_conversation(
+        self,
+        conversation_id: int,
+        turns: int,
+        *,
+        next_turn: NextTurn | None = None,
+        ended: str | None = None,
+    ) -> bool:
+        """Decide a waiting conversation whose ``turns`` turns exist: its next turn's job
+        (``next_turn``), its end (``ended``, the reason) or, with neither, done. Nothing
+        happens (False) when it is no longer waiting with that many turns: someone decided
+        it already, or its latest turn was sent back to the queue meanwhile."""
+        with self.engine.begin() as conn:
+            locked = conn.execute(
+                select(Conversation.dataset_id, Conversation.row_index, Conversation.digest)
+                .where(
+                    Conversation.id == conversation_id,
+                    Conversation.state == WAITING,
+                    Conversation.turns == turns,
+                )
+                .with_for_update()
+            ).one_or_none()
+            if locked is None:
+                return False
+            values: dict[str, Any] = {"updated_at": func.now()}
+            if next_turn is not None:
+                _insert_turn(conn, conversation_id, locked, turns, next_turn)
+                values.update(state=ACTIVE, turns=turns + 1)
+            elif ended is not None:
+                values.update(state=ENDED, ended_reason=ended)
+            else:
+                values.update(state=DONE)
+            conn.execute(
+                update(Conversation).where(Conversation.id == conversation_id).values(**values)
+            )
+        return True
+
+    def conversations_under_way(self, run: str) -> int:
+        """The run's conversations whose next turn may still come (active or waiting)."""
+        stmt = (
+            select(func.count())
+            .select_from(Conversation)
+            .join(Dataset, Dataset.id == Conversation.dataset_id)
+            .join(Run, Run.id == Dataset.run_id)
+            .where(Run.name == run, Conversation.state.in_((ACTIVE, WAITING)))
+        )
+        with self.engine.connect() as conn:
+            return int(conn.scalar(stmt) or 0)
+
+    def conversation_counts(self, dataset_ids: Sequence[int]) -> dict[int, ConversationCounts]:
+        """Per dataset that has conversations: their states, end reasons and turns."""
+        stmt = (
+            select(
+                Conversation.dataset_id,
+                Conversation.state,
+                Conversation.ended_reason,
+                func.count(),
+                func.sum(Conversation.turns),
+                func.sum(Conversation.points),
+            )
+            .where(Conversation.dataset_id.in_(dataset_ids))
+            .group_by(Conversation.dataset_id, Conversation.state, Conversation.ended_reason)
+        )
+        states: dict[int, Counter[str]] = {}
+        reasons: dict[int, Counter[str]] = {}
+        turns: Counter[int] = Counter()
+        points: Counter[int] = Counter()
+        with self.engine.connect() as conn:
+            for dataset_id, state, reason, n, created, pts in conn.execute(stmt):
+                states.setdefault(dataset_id, Counter())[state] += n
+                if reason is not None:
+                    reasons.setdefault(dataset_id, Counter())[reason] += n
+                turns[dataset_id] += int(created or 0)
+                points[dataset_id] += int(pts or 0)
+        return {
+            d: ConversationCounts(dict(states[d]), dict(reasons.get(d, {})), turns[d], points[d])
+            for d in states
+        }
+
+
+def dataset_order_seed(conn: Connection, dataset_id: int) -> int:
+    """The publishing order's seed (models.order) of the dataset's run."""
+    return int(
+        conn.scalar(
+            select(Run.order_seed)
+            .join(Dataset, Dataset.run_id == Run.id)
+            .where(Dataset.id == dataset_id)
+        )
+        or 0
+    )
+
+
+def _insert_turn(
+    conn: Connection, conversation_id: int, conversation: Any, turn: int, job: NextTurn
+) -> None:
+    """Insert turn ``turn``'s job, queued, with its first turn's place in the publishing
+    order: ahead of the dataset's conversations not yet begun (worker.feeder publishes by
+    that order), so a budget holds whole conversations."""
+    first_key = conn.scalar(
+        select(Job.sort_key).where(Job.conversation_id == conversation_id, Job.turn == 0)
+    )
+    conn.execute(
+        pg_insert(Job).values(
+            dataset_id=conversation.dataset_id,
+            row_index=conversation.row_index,
+            prompt_sha256=turn_sha256(bytes(conversation.digest), turn),
+            input_ids=job.input_ids,
+            prompt_tokens=len(job.input_ids),
+            messages=json.loads(job.messages),
+            opens_reasoning=job.opens_reasoning,
+            sort_key=int(first_key or 0),
+            conversation_id=conversation_id,
+            turn=turn,
+        )
+    )
+    conn.execute(
+        update(Dataset)
+        .where(Dataset.id == conversation.dataset_id)
+        .values(moved(None, JobState.QUEUED, 1))
+    )
