@@ -40,6 +40,12 @@ def advancer_lock(queue: str) -> str:
     return f"{PREFIX}:advancer:{queue}"
 
 
+def turn_server(queue: str, job_id: int) -> str:
+    """The server a conversation turn's job should go to when it has room (the one that
+    generated the turn before it); written by the advancer, read by the attempt; expires."""
+    return f"{PREFIX}:prefer:{queue}:{job_id}"
+
+
 def feeder_wake(queue: str) -> str:
     """A list of at most one element: pushed to wake the feeder (new jobs, a raised budget)."""
     return f"{PREFIX}:feeder-wake:{queue}"

@@ -114,6 +114,9 @@ class Settings(BaseSettings):
     concurrency_kv_target: float = Field(default=0.9, gt=0, le=1)
     slot_lease_seconds: float = Field(default=60.0, gt=0)
     slot_wait_s: float = Field(default=10.0, ge=0)
+    # A conversation's next turn goes to the server that generated the turn before it when
+    # that server has room: its prefix cache holds the history (worker.advancer).
+    turn_affinity: bool = True
     health_interval_s: float = Field(default=10.0, gt=0)
     # Each server is asked /get_model_info again this often (and whenever it comes back
     # from down): another model swapped in behind its URL between two health probes is found

@@ -67,6 +67,7 @@ class TurnResult:
     opens_reasoning: bool
     output_ids: list[int] | None
     finish_type: str | None
+    server: str | None  # the server that generated it, once done
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,14 @@ class NextTurn:
     input_ids: list[int]
     messages: str  # JSON text: {"messages": [...], "tools": [...] | null}
     opens_reasoning: bool
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A conversation decided: ``job_id`` is its next turn's new job (None: it ended or is
+    done)."""
+
+    job_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +227,7 @@ class ConversationQueries:
                 Job.opens_reasoning,
                 Generation.output_ids,
                 Generation.finish_type,
+                Generation.server,
             )
             .outerjoin(Generation, Generation.job_id == Job.id)
             .where(Job.conversation_id == conversation_id)
@@ -231,6 +241,7 @@ class ConversationQueries:
                     opens_reasoning=bool(r.opens_reasoning),
                     output_ids=None if r.output_ids is None else list(r.output_ids),
                     finish_type=r.finish_type,
+                    server=r.server,
                 )
                 for r in conn.execute(stmt)
             ]
@@ -242,10 +253,10 @@ class ConversationQueries:
         *,
         next_turn: NextTurn | None = None,
         ended: str | None = None,
-    ) -> bool:
+    ) -> Settled | None:
         """Decide a waiting conversation whose ``turns`` turns exist: its next turn's job
         (``next_turn``), its end (``ended``, the reason) or, with neither, done. Nothing
-        happens (False) when it is no longer waiting with that many turns: someone decided
+        happens (None) when it is no longer waiting with that many turns: someone decided
         it already, or its latest turn was sent back to the queue meanwhile."""
         with self.engine.begin() as conn:
             locked = conn.execute(
@@ -258,10 +269,11 @@ class ConversationQueries:
                 .with_for_update()
             ).one_or_none()
             if locked is None:
-                return False
+                return None
             values: dict[str, Any] = {"updated_at": func.now()}
+            decided = Settled()
             if next_turn is not None:
-                _insert_turn(conn, conversation_id, locked, turns, next_turn)
+                decided = Settled(_insert_turn(conn, conversation_id, locked, turns, next_turn))
                 values.update(state=ACTIVE, turns=turns + 1)
             elif ended is not None:
                 values.update(state=ENDED, ended_reason=ended)
@@ -270,7 +282,7 @@ class ConversationQueries:
             conn.execute(
                 update(Conversation).where(Conversation.id == conversation_id).values(**values)
             )
-        return True
+        return decided
 
     def conversations_under_way(self, run: str) -> int:
         """The run's conversations whose next turn may still come (active or waiting)."""
@@ -329,15 +341,16 @@ def dataset_order_seed(conn: Connection, dataset_id: int) -> int:
 
 def _insert_turn(
     conn: Connection, conversation_id: int, conversation: Any, turn: int, job: NextTurn
-) -> None:
+) -> int:
     """Insert turn ``turn``'s job, queued, with its first turn's place in the publishing
     order: ahead of the dataset's conversations not yet begun (worker.feeder publishes by
     that order), so a budget holds whole conversations."""
     first_key = conn.scalar(
         select(Job.sort_key).where(Job.conversation_id == conversation_id, Job.turn == 0)
     )
-    conn.execute(
-        pg_insert(Job).values(
+    job_id = conn.scalar(
+        pg_insert(Job)
+        .values(
             dataset_id=conversation.dataset_id,
             row_index=conversation.row_index,
             prompt_sha256=turn_sha256(bytes(conversation.digest), turn),
@@ -349,9 +362,11 @@ def _insert_turn(
             conversation_id=conversation_id,
             turn=turn,
         )
+        .returning(Job.id)
     )
     conn.execute(
         update(Dataset)
         .where(Dataset.id == conversation.dataset_id)
         .values(moved(None, JobState.QUEUED, 1))
     )
+    return int(job_id or 0)  # RETURNING of an INSERT without conflict: always a row

@@ -24,6 +24,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
+from core import keys
 from core.dialogue import FAILED
 from core.onpolicy import Answer, Step, next_turn
 from core.tokenizer import RunTokenizer, stored_stop_ids
@@ -35,6 +38,8 @@ from models.states import JobState
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 1.0
+# A next turn's server hint outlives any wait in the queue that a cache could survive.
+HINT_TTL_S = 6 * 3600
 # Conversations decided per pass: a pass stays short, the next one takes the rest.
 BATCH = 256
 
@@ -44,6 +49,9 @@ class Advancer:
     """Decides waiting conversations; one per worker process, run by the lock's holder."""
 
     repo: Repository
+    # Where a next turn's server hint goes (None: no hints, as with turn affinity off).
+    redis: redis.Redis | None = None
+    queue: str = ""
     # Each run's tokenizer once loaded, or why it cannot be here (said once).
     _tokenizers: dict[int, RunTokenizer | str] = field(default_factory=dict)
 
@@ -63,9 +71,9 @@ class Advancer:
             return False  # read between a new turn's insert and its commit: next pass
         latest = turns[-1]
         if latest.state == JobState.FAILED.value:
-            return self._settle(conversation, Step(ended=FAILED))
+            return self._settle(conversation, Step(ended=FAILED), None)
         if latest.state == JobState.SKIPPED_BUDGET.value:
-            return self._settle(conversation, Step(ended=BUDGET))
+            return self._settle(conversation, Step(ended=BUDGET), None)
         if latest.state != JobState.DONE.value:
             return False  # sent back to the queue meanwhile: active again
         answers = [
@@ -82,15 +90,23 @@ class Advancer:
             max_new_tokens=conversation.max_new_tokens,
             max_context_len=conversation.max_context_len,
         )
-        return self._settle(conversation, step)
+        return self._settle(conversation, step, latest.server)
 
-    def _settle(self, conversation: WaitingConversation, step: Step) -> bool:
+    def _settle(self, conversation: WaitingConversation, step: Step, server: str | None) -> bool:
+        """Store the decision; a next turn's job is pointed at ``server``, the one that
+        generated the turn before it (a hint the attempt follows when that server has room;
+        one lost to a Redis outage only costs the cache hit)."""
         job = None
         if step.input_ids is not None and step.messages is not None:
             job = NextTurn(step.input_ids, step.messages, step.opens_reasoning)
-        return self.repo.settle_conversation(
+        settled = self.repo.settle_conversation(
             conversation.id, conversation.turns, next_turn=job, ended=step.ended
         )
+        if settled is None:
+            return False
+        if settled.job_id is not None and server is not None and self.redis is not None:
+            self.redis.set(keys.turn_server(self.queue, settled.job_id), server, ex=HINT_TTL_S)
+        return True
 
     def _tokenizer(self, run_id: int) -> RunTokenizer | str:
         found = self._tokenizers.get(run_id)

@@ -50,8 +50,8 @@ class Background:
         self._threads: list[threading.Thread] = []
         self._consuming_lock = threading.Lock()
         self._leadership = Leadership(ctx.redis, ctx.name)
-        self._advancer = Advancer(ctx.repo)
         s = ctx.settings
+        self._advancer = Advancer(ctx.repo, ctx.redis if s.turn_affinity else None, s.queue)
         # One concurrency controller per server whose limit is not fixed (worker.controller).
         self.limits = LimitControllers.for_worker(
             ctx.router.servers,

@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as SQLTimeoutError
 
+from core import keys
 from core.broker import Publisher
 from core.settings import ServerSpec, Services, Settings
 from core.text import visible
@@ -349,7 +350,9 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
         # Nothing claimed: the message goes back, for a server to answer meanwhile.
         reasons = "; ".join(why for s in ctx.router.servers if (why := s.unknown_reason()))
         return Result(Outcome.NO_SLOT, interval, reason=f"no server's model is known: {reasons}")
-    lease = ctx.router.acquire(ctx.settings.slot_wait_s, among=known)
+    lease = ctx.router.acquire(
+        ctx.settings.slot_wait_s, among=known, prefer=_turn_server(ctx, job_id)
+    )
     if lease is None:
         # Servers full: another worker may take it now. All down: not before the next probe.
         down = not any(s.healthy for s in known)
@@ -364,6 +367,19 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
     finally:
         for each in held:
             _give_back(ctx, each)
+
+
+def _turn_server(ctx: WorkerContext, job_id: int) -> str | None:
+    """The server a conversation's turn should go to, when the advancer named one (the
+    server whose prefix cache holds its history); None for any other job, or when Redis
+    does not answer (the hint only saves a prefill)."""
+    if not ctx.settings.turn_affinity or len(ctx.router.servers) < 2:
+        return None
+    try:
+        found = ctx.redis.get(keys.turn_server(ctx.settings.queue, job_id))
+    except redis.RedisError:
+        return None
+    return found.decode() if isinstance(found, bytes) else None
 
 
 def _give_back(ctx: WorkerContext, lease: Lease) -> None:

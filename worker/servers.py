@@ -212,17 +212,22 @@ class Router:
             known = [s for s in self.servers if s.served is not None]
         return known
 
-    def acquire(self, timeout_s: float, among: Sequence[Server] | None = None) -> Lease | None:
-        """A slot on some healthy server (of ``among``, default all), waiting up to
-        ``timeout_s``; None if none came. A waiting thread wakes when this process gives a
-        slot back, else tries again after a pause that doubles up to MAX_POLL_S (with
-        jitter, so that waiters do not ask Redis in step): another worker's slot given back
-        is found within that pause."""
+    def acquire(
+        self,
+        timeout_s: float,
+        among: Sequence[Server] | None = None,
+        prefer: str | None = None,
+    ) -> Lease | None:
+        """A slot on some healthy server (of ``among``, default all; the server named
+        ``prefer`` first when it has room), waiting up to ``timeout_s``; None if none came.
+        A waiting thread wakes when this process gives a slot back, else tries again after
+        a pause that doubles up to MAX_POLL_S (with jitter, so that waiters do not ask Redis
+        in step): another worker's slot given back is found within that pause."""
         candidates = self.servers if among is None else among
         deadline = time.monotonic() + timeout_s
         pause = self._poll_s
         while True:
-            lease = self._try_once(candidates)
+            lease = self._try_once(candidates, prefer)
             healthy = any(s.healthy for s in candidates)
             left = deadline - time.monotonic()
             if lease is not None or not healthy or left <= 0:
@@ -231,8 +236,9 @@ class Router:
                 self._freed.wait(min(left, pause * random.uniform(0.5, 1.0)))
             pause = min(2 * pause, MAX_POLL_S)
 
-    def _try_once(self, candidates: Sequence[Server]) -> Lease | None:
-        for server in sorted(candidates, key=lambda s: len(s.held)):
+    def _try_once(self, candidates: Sequence[Server], prefer: str | None = None) -> Lease | None:
+        # The preferred server first, then the least loaded (by this process's slots).
+        for server in sorted(candidates, key=lambda s: (s.name != prefer, len(s.held))):
             if not server.healthy:
                 continue
             token = self._slots.try_acquire(server.name, self.limit(server))

@@ -261,3 +261,40 @@ def state_of(repo: Repository, conversation_id: int) -> tuple[str, int]:
             select(Conversation.state, Conversation.turns).where(Conversation.id == conversation_id)
         ).one()
     return str(row.state), int(row.turns)
+
+
+def test_a_next_turn_goes_to_the_server_that_generated_the_turn_before(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    rows = [chat(f"Question {i}?", "A.", "Why?", "B.", "And then?") for i in range(12)]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    with SimServer(SimConfig(**FAST)) as a, SimServer(SimConfig(**FAST)) as b:
+        served = settings.model_copy(
+            update={
+                "servers": [ServerSpec(name="a", url=a.url), ServerSpec(name="b", url=b.url)],
+                "worker_concurrency": 8,
+            }
+        )
+        enqueue_file(served, path, max_new_tokens=400, turns="all")
+        with in_thread_worker(served):
+            counts = wait_conversations(repo, dataset_id(repo))
+    assert counts.by_state == {"done": 12}, counts
+    with repo.engine.connect() as conn:
+        pairs = conn.execute(
+            text("""
+            SELECT g.server, p.server FROM jobs j
+            JOIN generations g ON g.job_id = j.id
+            JOIN jobs pj ON pj.conversation_id = j.conversation_id AND pj.turn = j.turn - 1
+            JOIN generations p ON p.job_id = pj.id
+            """)
+        ).all()
+        first = conn.execute(
+            text(
+                "SELECT g.server FROM jobs j JOIN generations g ON g.job_id = j.id WHERE j.turn = 0"
+            )
+        ).scalars()
+        used = set(first)
+    assert len(pairs) == 24
+    assert used == {"a", "b"}, used  # the first turns spread over both servers
+    # Both servers always had room: every later turn went where its history is cached.
+    assert all(server == previous for server, previous in pairs), pairs
