@@ -90,3 +90,26 @@ def next_turn(
         return Step(ended=TOO_LONG)
     stored = json.dumps({"messages": found.messages, "tools": row.tools}, ensure_ascii=False)
     return Step(input_ids, stored, tokenizer.opens_reasoning(input_ids))
+
+
+# Where a later turn's prompt first departs from the turn before it (its prompt, then its
+# output): "prompt" or "answer" (and the offset into that part), or "beyond" when the
+# whole of both is its prefix (it extends the turn before).
+PROMPT, ANSWER, BEYOND = "prompt", "answer", "beyond"
+
+
+def first_difference(
+    ids: Sequence[int], previous_prompt: Sequence[int], previous_output: Sequence[int]
+) -> tuple[str, int]:
+    """Where ``ids`` first differ from ``previous_prompt + previous_output``: the part and
+    the offset into it (a template that re-renders an earlier answer its own way, e.g.
+    without its reasoning, departs inside the answer)."""
+    before = [*previous_prompt, *previous_output]
+    at = next((i for i, (a, b) in enumerate(zip(ids, before, strict=False)) if a != b), None)
+    if at is None:
+        at = min(len(ids), len(before))
+        if at == len(before):
+            return BEYOND, 0
+    if at < len(previous_prompt):
+        return PROMPT, at
+    return ANSWER, at - len(previous_prompt)

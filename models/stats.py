@@ -44,6 +44,49 @@ _IN_SCOPE = """
 
 _PCT = "percentile_cont(ARRAY[0.5, 0.9, 0.99]) WITHIN GROUP (ORDER BY {})"
 
+# Conversations (datasets.turns = 'all'): by state and end reason; done turns' completion
+# lengths by turn index; and the later turns whose prompt starts with the turn before's
+# prompt and output ids exactly (bytea compared in Postgres: nothing is shipped to count).
+_CONVERSATION_STATES = """
+    SELECT d.name AS dataset, c.state, c.ended_reason, count(*) AS n
+    FROM conversations c JOIN datasets d ON d.id = c.dataset_id
+    WHERE d.run_id = :run AND d.name = ANY(:names)
+    GROUP BY 1, 2, 3
+"""
+_BY_TURN = """
+    SELECT d.name AS dataset, j.turn, count(*) AS n,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY g.completion_tokens) AS p50,
+           max(g.completion_tokens) AS top
+    FROM generations g JOIN jobs j ON j.id = g.job_id JOIN datasets d ON d.id = j.dataset_id
+    WHERE d.run_id = :run AND d.name = ANY(:names) AND j.conversation_id IS NOT NULL
+    GROUP BY 1, 2
+"""
+_LATER_TURNS = """
+    FROM jobs j JOIN datasets d ON d.id = j.dataset_id
+    JOIN jobs pj ON pj.conversation_id = j.conversation_id AND pj.turn = j.turn - 1
+    JOIN generations pg ON pg.job_id = pj.id
+    WHERE d.run_id = :run AND d.name = ANY(:names) AND j.turn > 0
+"""
+_EXTENDS = (
+    "substring(j.input_ids FROM 1 FOR length(pj.input_ids) + length(pg.output_ids))"
+    " = pj.input_ids || pg.output_ids"
+)
+_EXTENSION = f"""
+    SELECT d.name AS dataset, count(*) AS n, count(*) FILTER (WHERE {_EXTENDS}) AS extends
+    {_LATER_TURNS}
+    GROUP BY 1
+"""
+# Later turns that do not extend the turn before, a few per dataset, for where they depart.
+_DEPARTING = f"""
+    SELECT dataset, ids, prompt, output FROM (
+        SELECT d.name AS dataset, j.input_ids AS ids, pj.input_ids AS prompt,
+               pg.output_ids AS output,
+               row_number() OVER (PARTITION BY d.name ORDER BY j.id) AS k
+        {_LATER_TURNS} AND NOT ({_EXTENDS})
+    ) AS departing
+    WHERE k <= :per_dataset
+"""
+
 # One row per dataset and one (dataset NULL, total 1) for all of them together: percentiles
 # of the whole run cannot be derived from the datasets' own.
 _AGGREGATES = f"""
@@ -100,19 +143,28 @@ _STATES = """
     GROUP BY d.name, j.state
 """
 
+# A job's declared tools (json null when none). Its messages are json, kept as written, and
+# Postgres refuses a document once it must unescape a string holding \u0000 (a decoded
+# answer may hold NUL): such a document is read with that escape replaced, which changes no
+# key and no tool.
+_TOOLS = (
+    "(CASE WHEN strpos(j.messages::text, '\\u0000') = 0 THEN j.messages"
+    " ELSE replace(j.messages::text, '\\u0000', '\\ufffd')::json END) -> 'tools'"
+)
+
 # The rows whose ids hold a tool-call marker, for the token-level checks; a marker's 4
 # bytes may also match across two ids, which dissecting the row rules out. ``tools`` is
 # the json the row's template received (null when it declared none).
-_TOOL_ROWS = """
+_TOOL_ROWS = f"""
     SELECT d.name AS dataset, g.job_id, g.output_ids AS output, j.opens_reasoning AS opens,
-           g.finish_type AS finish, j.messages -> 'tools' AS tools
+           g.finish_type AS finish, {_TOOLS} AS tools
     FROM generations g
     JOIN jobs j ON j.id = g.job_id
     JOIN datasets d ON d.id = j.dataset_id
     WHERE d.run_id = :run AND j.state = 'done' AND d.name = ANY(:names)
       AND EXISTS (SELECT 1 FROM unnest(CAST(:patterns AS bytea[])) m
                   WHERE position(m IN g.output_ids) > 0)
-      {sample}
+      {{sample}}
     ORDER BY g.job_id
 """
 _IN_SAMPLE = "AND g.job_id IN (SELECT job_id FROM sampled)"
@@ -127,22 +179,23 @@ _SAMPLED = """
 
 # Generations the token-level checks looked at, per dataset, and those of them whose row
 # declared tools.
-_TOOL_SCOPE = """
+_TOOL_SCOPE = f"""
     SELECT d.name AS dataset, count(*) AS n,
-           count(*) FILTER (WHERE json_typeof(j.messages -> 'tools') = 'array') AS declared
+           count(*) FILTER (WHERE json_typeof({_TOOLS}) = 'array') AS declared
     FROM generations g
     JOIN jobs j ON j.id = g.job_id
     JOIN datasets d ON d.id = j.dataset_id
-    WHERE d.run_id = :run AND j.state = 'done' AND d.name = ANY(:names) {sample}
+    WHERE d.run_id = :run AND j.state = 'done' AND d.name = ANY(:names) {{sample}}
     GROUP BY d.name
 """
 
-_DETAIL = """
+_DETAIL = f"""
     SELECT j.id AS job_id, r.name AS run, d.name AS dataset, j.row_index, j.state,
-           j.input_ids, j.opens_reasoning AS opens, j.messages -> 'tools' AS tools,
+           j.input_ids, j.opens_reasoning AS opens, {_TOOLS} AS tools,
            d.sampling_params, g.output_ids, g.finish_type, g.finish_matched,
            g.completion_tokens, g.prompt_tokens, g.cached_tokens, g.e2e_latency, g.server,
-           g.think_end_present, g.reasoning_tokens, g.answer_tokens
+           g.think_end_present, g.reasoning_tokens, g.answer_tokens,
+           j.conversation_id, j.turn
     FROM jobs j
     JOIN datasets d ON d.id = j.dataset_id
     JOIN runs r ON r.id = d.run_id
@@ -258,6 +311,31 @@ class ToolRow:
 
 
 @dataclass(frozen=True)
+class TurnLengths:
+    """A dataset's done turns at one turn index: how many, their median and longest
+    completion."""
+
+    turn: int
+    n: int
+    p50: float
+    top: int
+
+
+@dataclass
+class ConversationFigures:
+    """A dataset's conversations: by state ("ended: REASON" for ended ones), completion
+    lengths by turn index, and the later turns that extend the turn before exactly (the
+    others: where they depart, ``core.onpolicy.first_difference``'s part, in a sample)."""
+
+    dataset: str
+    states: dict[str, int] = field(default_factory=dict)
+    by_turn: list[TurnLengths] = field(default_factory=list)
+    later_turns: int = 0
+    extending: int = 0
+    departing: list[tuple[list[int], list[int], list[int]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Detail:
     """One job with its generation (``output_ids`` None when it has none), for `show`."""
 
@@ -279,6 +357,9 @@ class Detail:
     e2e_latency: float | None
     server: str | None
     think_end_present: bool | None
+    # Its conversation and turn (``turns = "all"``); None for a job of its own.
+    conversation_id: int | None = None
+    turn: int | None = None
 
 
 class StatsQueries:
@@ -418,6 +499,44 @@ class StatsQueries:
             finally:
                 result.close()
 
+    def conversations(
+        self, run_id: int, names: Sequence[str], sample: int = 50
+    ) -> dict[str, ConversationFigures]:
+        """Per dataset with conversations, their figures (``sample``: departing turns read
+        per dataset)."""
+        params = {"run": run_id, "names": list(names), "per_dataset": sample}
+        out: dict[str, ConversationFigures] = {}
+
+        def of(name: str) -> ConversationFigures:
+            return out.setdefault(name, ConversationFigures(name))
+
+        with self.engine.connect() as conn:
+            for r in conn.execute(text(_CONVERSATION_STATES), params):
+                key = r.state if r.ended_reason is None else f"ended: {r.ended_reason}"
+                of(r.dataset).states[key] = int(r.n)
+            for r in conn.execute(text(_BY_TURN), params):
+                of(r.dataset).by_turn.append(TurnLengths(int(r.turn), int(r.n), r.p50, r.top))
+            for r in conn.execute(text(_EXTENSION), params):
+                figures = of(r.dataset)
+                figures.later_turns, figures.extending = int(r.n), int(r.extends)
+            for r in conn.execute(text(_DEPARTING), params):
+                of(r.dataset).departing.append((unpack(r.ids), unpack(r.prompt), unpack(r.output)))
+        for figures in out.values():
+            figures.by_turn.sort(key=lambda t: t.turn)
+        return out
+
+    def conversation_job_ids(self, job_id: int) -> list[int]:
+        """The jobs of ``job_id``'s conversation in turn order (just it, when it has none)."""
+        with self.engine.connect() as conn:
+            found = conn.execute(
+                text(
+                    "SELECT j.id FROM jobs j JOIN jobs me ON me.conversation_id = j.conversation_id"
+                    " WHERE me.id = :job ORDER BY j.turn"
+                ),
+                {"job": job_id},
+            ).scalars()
+            return [int(i) for i in found] or [job_id]
+
     def detail(self, job_id: int) -> Detail | None:
         """The job ``job_id`` with its generation, or None when there is no such job."""
         with self.engine.connect() as conn:
@@ -520,4 +639,6 @@ def _detail(r: Any) -> Detail:
         e2e_latency=r["e2e_latency"],
         server=r["server"],
         think_end_present=r["think_end_present"],
+        conversation_id=r.get("conversation_id"),
+        turn=r.get("turn"),
     )

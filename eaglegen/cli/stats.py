@@ -104,7 +104,8 @@ def show(
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
 ) -> None:
-    """One job's generation decoded: prompt tail, reasoning, answer, tool calls, stop."""
+    """One job's generation decoded: prompt tail, reasoning, answer, tool calls, stop; a
+    conversation's turn shows its whole conversation, turn by turn."""
     from eaglegen.report.stats import run_tokenizer
 
     settings = load_settings(database_url=database_url, data_dir=data_dir)
@@ -112,9 +113,11 @@ def show(
         detail = queries.detail(job_id)
         if detail is None:
             raise ValueError(f"no job {job_id}")
+        turns = [queries.detail(i) for i in queries.conversation_job_ids(job_id)]
         found = _run(queries, detail.run)
         tok = run_tokenizer(found, tokenizer, trust_remote_code=trust_remote_code)
-    _print_views(found, tok, [detail], prompt_tail, json_out, single=True)
+    details = [d for d in turns if d is not None] if detail.turn is not None else [detail]
+    _print_views(found, tok, details, prompt_tail, json_out, single=len(details) == 1)
 
 
 @command(app)

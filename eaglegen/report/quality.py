@@ -9,12 +9,21 @@ together, parse, and call what the row declared.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from core.anatomy import Anatomy, ToolCall
-from models.stats import Aggregate, Histogram, Spread, StatsDataset
+from core.onpolicy import ANSWER, first_difference
+from models.stats import (
+    Aggregate,
+    ConversationFigures,
+    Histogram,
+    Spread,
+    StatsDataset,
+    TurnLengths,
+)
 
 # Bins of a completion-length histogram.
 HISTOGRAM_BINS = 40
@@ -242,6 +251,61 @@ def histogram_document(h: Histogram) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Conversations:
+    """A dataset's conversations (``turns = "all"``) as the report states them: by state,
+    completion lengths by turn index, and the later turns that extend the turn before (the
+    others' first departure, by part of the turn before, in a sample)."""
+
+    dataset: str
+    states: dict[str, int]
+    by_turn: tuple[TurnLengths, ...]
+    later_turns: int
+    extending: int
+    departs: dict[str, int]  # sampled later turns that do not extend: where they depart
+
+    @classmethod
+    def of(cls, f: ConversationFigures) -> Conversations:
+        where = Counter(
+            first_difference(ids, prompt, output)[0] for ids, prompt, output in f.departing
+        )
+        return cls(
+            f.dataset, dict(f.states), tuple(f.by_turn), f.later_turns, f.extending, dict(where)
+        )
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "dataset": self.dataset,
+            "states": dict(sorted(self.states.items())),
+            "completion_by_turn": [
+                {"turn": t.turn, "n": t.n, "p50": t.p50, "max": t.top} for t in self.by_turn
+            ],
+            "later_turns": self.later_turns,
+            "extending": self.extending,
+            "departing_sample": dict(sorted(self.departs.items())),
+        }
+
+    def warning(self) -> str | None:
+        """Said plainly when later turns do not start with the turn before: the template
+        writes earlier answers back otherwise than the model wrote them."""
+        apart = self.later_turns - self.extending
+        if not apart:
+            return None
+        where = max(self.departs, key=lambda k: self.departs[k]) if self.departs else None
+        inside = (
+            "inside the earlier answer (the chat template writes it back otherwise than the "
+            "model wrote it, e.g. without its reasoning)"
+            if where == ANSWER
+            else "inside the earlier prompt (the template renders the history otherwise)"
+        )
+        return (
+            f"`{self.dataset}`: {apart:,} of {self.later_turns:,} later turns do not start "
+            f"with the turn before (its prompt and output ids); they depart {inside}. Each "
+            "turn is still exactly what the model saw; `export --merge-turns` keeps such "
+            "conversations one row per turn"
+        )
+
+
+@dataclass(frozen=True)
 class Report:
     """The whole `eaglegen stats` report of a run."""
 
@@ -252,11 +316,13 @@ class Report:
     checks: TokenChecks | None  # None: no generation to check
     points: tuple[tuple[str, int, int], ...] = ()  # (dataset, prompt, completion) sample
     family: str | None = None  # the run's model family (core.families); None: not told
+    conversations: tuple[Conversations, ...] = ()
 
     @property
     def warnings(self) -> list[str]:
         """What a user must see, most important first."""
-        return [w for f in self.datasets for w in dataset_warnings(f, self.think_end)]
+        found = [w for f in self.datasets for w in dataset_warnings(f, self.think_end)]
+        return found + [w for c in self.conversations if (w := c.warning())]
 
     def document(self) -> dict[str, Any]:
         """The ``eaglegen stats --json`` document."""
@@ -268,6 +334,7 @@ class Report:
             "total": self.total.document(),
             "token_checks": None if self.checks is None else self.checks.document(),
             "scatter_sample": len(self.points),
+            "conversations": [c.document() for c in self.conversations],
         }
 
 

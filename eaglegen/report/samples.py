@@ -62,6 +62,8 @@ class SampleView:
     stop: str | None
     family: str = KIMI_K2.name  # the run's model family (core.families)
     calls_checked: bool = True  # False: its calls are not read, and stay in the answer
+    conversation_id: int | None = None  # its conversation (turns = "all"), and turn
+    turn: int | None = None
 
     def document(self) -> dict[str, Any]:
         """The JSON form: ``tool_calls`` is "not checked" where the family's calls are not
@@ -109,6 +111,8 @@ def view(
         stop=None if anatomy.stop is None else decode([anatomy.stop]),
         family=family.name,
         calls_checked=anatomy.calls_checked,
+        conversation_id=detail.conversation_id,
+        turn=detail.turn,
     )
 
 
@@ -126,6 +130,7 @@ def render(v: SampleView, think_end: str) -> Group:
     """The view as rich renderables."""
     title = (
         f"job {v.job_id} · dataset {v.dataset} · run {v.run} · family {v.family} · {v.state}"
+        + ("" if v.turn is None else f" · conversation {v.conversation_id} turn {v.turn}")
         + (f" · finish {v.finish_type} · {v.completion_tokens:,} tokens" if v.generated else "")
     )
     heading = visible(title)

@@ -15,6 +15,7 @@ from rich.text import Text
 from core.anatomy import THINK_END
 from core.tokenizer import RunTokenizer
 from eaglegen.report.quality import (
+    Conversations,
     Figures,
     Report,
     TokenChecks,
@@ -114,6 +115,7 @@ def collect(
         calls_checked=checked,
     )
     points = queries.points(run.id, names, SCATTER_POINTS, scope.seed) if total.generations else []
+    conversations = queries.conversations(run.id, names)
     return Report(
         run=run.name,
         think_end=tokenizer.token(run.think_end_id, THINK_END),
@@ -122,6 +124,9 @@ def collect(
         checks=checks,
         points=tuple(points),
         family=tokenizer.family.name,
+        conversations=tuple(
+            Conversations.of(conversations[n]) for n in names if n in conversations
+        ),
     )
 
 
@@ -205,7 +210,38 @@ def tables(report: Report) -> list[Columns]:
     if report.checks is not None and report.checks.tool_markers:
         out.append(_tools(every))
     out.append(_serving(every))
+    if report.conversations:
+        out.append(_conversations(report.conversations))
     return out
+
+
+def _conversations(found: Sequence[Conversations]) -> Columns:
+    """Datasets answered turn by turn: conversations by how they stand, turns that extend
+    the turn before, and the median completion by turn index."""
+    rows = []
+    for c in found:
+        ended = sum(n for k, n in c.states.items() if k.startswith("ended"))
+        rows.append(
+            (
+                c.dataset,
+                f"{c.states.get('done', 0):,}",
+                f"{c.states.get('active', 0) + c.states.get('waiting', 0):,}",
+                f"{ended:,}",
+                ", ".join(
+                    f"{k.removeprefix('ended: ')} {n:,}"
+                    for k, n in sorted(c.states.items())
+                    if k.startswith("ended")
+                )
+                or "-",
+                f"{c.extending:,} of {c.later_turns:,}",
+                " ".join(f"{t.turn}:{t.p50:,.0f}" for t in c.by_turn),
+            )
+        )
+    headers = (
+        "dataset", "done", "under way", "ended", "ended by", "later turns extending",
+        "completion p50 by turn",
+    )  # fmt: skip
+    return Columns("conversations", headers, tuple(rows))
 
 
 def _lengths(every: list[Figures]) -> Columns:

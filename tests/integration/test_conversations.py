@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from models.repository import Repository
 from models.schema import Conversation, Dataset, Generation, Job, Run
 from tests.helpers import enqueue_file, write_jsonl
 from tests.integration.test_families_end_to_end import tokenizer_folder
+from tests.integration.test_families_pipeline import stats_document
 from tests.unit.test_sim_tools import tool_rows
 from tests.workers import in_thread_worker
 
@@ -94,7 +96,14 @@ def turns_of(repo: Repository) -> dict[int, list[dict[str, Any]]]:
     """Every conversation's turns in order: input ids, stored messages and output ids."""
     with repo.engine.connect() as conn:
         rows = conn.execute(
-            select(Job.conversation_id, Job.turn, Job.input_ids, Job.messages, Job.state)
+            select(
+                Job.id.label("job_id"),
+                Job.conversation_id,
+                Job.turn,
+                Job.input_ids,
+                Job.messages,
+                Job.state,
+            )
             .add_columns(Generation.output_ids, Generation.finish_type)
             .outerjoin(Generation, Generation.job_id == Job.id)
             .where(Job.conversation_id.is_not(None))
@@ -144,6 +153,26 @@ def test_every_turn_is_answered_after_the_models_own_earlier_answers(
             for earlier, answer in zip(turns, answers, strict=False):
                 written = hf.decode(list(earlier["output_ids"]), skip_special_tokens=False)
                 assert answer["content"].strip() in written
+    # stats: the conversations, the median completion by turn index, and the later turns
+    # whose prompt starts with the turn before's prompt and output (counted here apart).
+    extending = sum(
+        1
+        for turns in conversations.values()
+        for before, after in itertools.pairwise(turns)
+        if list(after["input_ids"][: len(before["input_ids"]) + len(before["output_ids"])])
+        == [*before["input_ids"], *before["output_ids"]]
+    )
+    [conv] = stats_document(repo, "run")["conversations"]
+    assert conv["states"] == {"done": 3}
+    assert (conv["later_turns"], conv["extending"]) == (4, extending)
+    assert [t["turn"] for t in conv["completion_by_turn"]] == [0, 1, 2]
+    assert sum(conv["departing_sample"].values()) == 4 - extending
+    # show: a turn of a conversation shows the whole conversation, turn by turn.
+    job = turns_of(repo)[next(iter(conversations))][1]
+    shown = show_json(served, job["job_id"])
+    assert [s["turn"] for s in shown["samples"]] == list(
+        range(len(conversations[next(iter(conversations))]))
+    )
     # The row's own user turns come in order, whatever the model answered.
     [longest] = [t for t in conversations.values() if len(t) == 3]
     users = [m["content"] for m in longest[2]["messages"]["messages"] if m["role"] == "user"]
@@ -298,3 +327,21 @@ def test_a_next_turn_goes_to_the_server_that_generated_the_turn_before(
     assert used == {"a", "b"}, used  # the first turns spread over both servers
     # Both servers always had room: every later turn went where its history is cached.
     assert all(server == previous for server, previous in pairs), pairs
+
+
+def show_json(settings: Settings, job_id: int) -> dict[str, Any]:
+    """`eaglegen show JOB --json`, run as a user runs it."""
+    import subprocess
+    import sys
+
+    assert settings.database_url is not None
+    result = subprocess.run(
+        [sys.executable, "-m", "eaglegen", "show", str(job_id), "--json"],
+        env={**os.environ, "EAGLEGEN_DATABASE_URL": settings.database_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return dict(json.loads(result.stdout))

@@ -374,3 +374,19 @@ def test_a_run_without_generations_is_an_honest_empty_report(repo: Repository) -
     assert document["total"]["completion_tokens"]["p50"] is None
     assert [d["dataset"] for d in document["datasets"]] == ["d", "nothing"]
     assert document["datasets"][1]["jobs"] == {"total": 0}
+
+
+def test_a_prompt_holding_nul_beside_an_escaped_quote_is_read_with_its_tools(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    # Postgres refuses to unescape \u0000 in a json string that also holds another escape
+    # (a decoded model answer can hold NUL): `show` and `stats` read the tools all the same.
+    from models.stats import StatsQueries
+    from tests.helpers import enqueue_file, write_jsonl
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    row = {"messages": [{"role": "user", "content": 'say "hi"\u0000 now'}], "tools": tools}
+    assert enqueue_file(settings, write_jsonl(tmp_path / "nul.jsonl", [row])).accepted == 1
+    [job_id] = repo.job_ids()
+    detail = StatsQueries(repo.engine).detail(job_id)
+    assert detail is not None and detail.tools == tools
