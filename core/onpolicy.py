@@ -98,18 +98,25 @@ def next_turn(
 PROMPT, ANSWER, BEYOND = "prompt", "answer", "beyond"
 
 
-def first_difference(
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where ``a`` and ``b`` differ (the shorter's length when one is the
+    other's prefix), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def departure(
     ids: Sequence[int], previous_prompt: Sequence[int], previous_output: Sequence[int]
 ) -> tuple[str, int]:
     """Where ``ids`` first differ from ``previous_prompt + previous_output``: the part and
     the offset into it (a template that re-renders an earlier answer its own way, e.g.
     without its reasoning, departs inside the answer)."""
     before = [*previous_prompt, *previous_output]
-    at = next((i for i, (a, b) in enumerate(zip(ids, before, strict=False)) if a != b), None)
-    if at is None:
-        at = min(len(ids), len(before))
-        if at == len(before):
-            return BEYOND, 0
+    at = first_difference(ids, before)
+    if at is None or at >= len(before):
+        return BEYOND, 0
     if at < len(previous_prompt):
         return PROMPT, at
     return ANSWER, at - len(previous_prompt)

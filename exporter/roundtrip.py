@@ -29,6 +29,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from core.onpolicy import first_difference
+
 # Ids of decoded context either side of the first difference.
 CONTEXT_IDS = 8
 # Differing rows kept per dataset as examples in the manifest.
@@ -69,15 +71,6 @@ class Check:
     turn_suffix: str | None = None
     # Exact but for this stop token, which the model wrote and the template does not.
     unrendered_stop: str | None = None
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first index where ``a`` and ``b`` differ (the shorter's length when one is the
-    other's prefix), None when equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def check(

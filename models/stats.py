@@ -325,7 +325,7 @@ class TurnLengths:
 class ConversationFigures:
     """A dataset's conversations: by state ("ended: REASON" for ended ones), completion
     lengths by turn index, and the later turns that extend the turn before exactly (the
-    others: where they depart, ``core.onpolicy.first_difference``'s part, in a sample)."""
+    others: where they depart, ``core.onpolicy.departure``'s part, in a sample)."""
 
     dataset: str
     states: dict[str, int] = field(default_factory=dict)

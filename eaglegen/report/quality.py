@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from core.anatomy import Anatomy, ToolCall
-from core.onpolicy import ANSWER, first_difference
+from core.onpolicy import ANSWER, departure
 from models.stats import (
     Aggregate,
     ConversationFigures,
@@ -266,7 +266,7 @@ class Conversations:
     @classmethod
     def of(cls, f: ConversationFigures) -> Conversations:
         where = Counter(
-            first_difference(ids, prompt, output)[0] for ids, prompt, output in f.departing
+            departure(ids, prompt, output)[0] for ids, prompt, output in f.departing
         )
         return cls(
             f.dataset, dict(f.states), tuple(f.by_turn), f.later_turns, f.extending, dict(where)

@@ -192,11 +192,11 @@ def test_a_multi_turn_row_starts_at_its_first_answer_point_and_a_single_turn_row
     assert first_turn(single) == (single, None)
 
 
-def test_first_difference_names_the_part_of_the_turn_before_where_a_prompt_departs() -> None:
-    from core.onpolicy import ANSWER, BEYOND, PROMPT, first_difference
+def test_departure_names_the_part_of_the_turn_before_where_a_prompt_departs() -> None:
+    from core.onpolicy import ANSWER, BEYOND, PROMPT, departure
 
-    assert first_difference([1, 2, 3, 4, 9], [1, 2], [3, 4]) == (BEYOND, 0)
-    assert first_difference([1, 2, 4, 9], [1, 2], [3, 4]) == (ANSWER, 0)  # reasoning dropped
-    assert first_difference([1, 2, 3, 5], [1, 2], [3, 4]) == (ANSWER, 1)
-    assert first_difference([1, 7, 3, 4], [1, 2], [3, 4]) == (PROMPT, 1)
-    assert first_difference([1, 2, 3], [1, 2], [3, 4]) == (ANSWER, 1)  # shorter: ends inside
+    assert departure([1, 2, 3, 4, 9], [1, 2], [3, 4]) == (BEYOND, 0)
+    assert departure([1, 2, 4, 9], [1, 2], [3, 4]) == (ANSWER, 0)  # reasoning dropped
+    assert departure([1, 2, 3, 5], [1, 2], [3, 4]) == (ANSWER, 1)
+    assert departure([1, 7, 3, 4], [1, 2], [3, 4]) == (PROMPT, 1)
+    assert departure([1, 2, 3], [1, 2], [3, 4]) == (ANSWER, 1)  # shorter: ends inside
