@@ -35,9 +35,10 @@ def feeder_lock(queue: str) -> str:
     return f"{PREFIX}:feeder:{queue}"
 
 
-def advancer_lock(queue: str) -> str:
-    """Held by the one worker that creates conversations' next turns (worker.advancer)."""
-    return f"{PREFIX}:advancer:{queue}"
+def advancer_lock(queue: str, run_id: int) -> str:
+    """Held by the one worker that creates a run's conversations' next turns
+    (worker.advancer)."""
+    return f"{PREFIX}:advancer:{queue}:{run_id}"
 
 
 def turn_server(queue: str, job_id: int) -> str:

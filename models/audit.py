@@ -15,7 +15,7 @@ DONE, RUNNING = JobState.DONE.value, JobState.RUNNING.value
 
 
 class AuditQueries:
-    """Mixin of the Repository: the invariants of docs/design.md §2 and §4."""
+    """Mixin of the Repository: the invariants of docs/design.md §2, §4 and §13."""
 
     engine: Engine
 
@@ -46,6 +46,7 @@ class AuditQueries:
                 problems.append(f"{orphans} generation(s) belong to jobs that are not done")
             problems += self._ledger_problems(conn)
             problems += _counter_problems(conn)
+            problems += _conversation_problems(conn)
             stale = conn.scalar(
                 select(func.count())
                 .select_from(Job)
@@ -158,5 +159,85 @@ def _counter_problems(conn: Connection) -> list[str]:
                 problems.append(
                     f"{run}/{dataset}: counter {column} is {value}, "
                     f"the jobs say {figures.get(column, 0)}"
+                )
+    return problems
+
+
+# A conversation (c) with its jobs aggregated (t): numbered, distinct_turns, first_turn and
+# last_turn count and bound the jobs that have a turn, unnumbered those that have none, done
+# the done ones, latest the state of the highest turn.
+_PER_CONVERSATION = """
+SELECT c.id, c.dataset_id, c.state, c.turns, c.points, c.ended_reason,
+    coalesce(t.jobs, 0) AS jobs, coalesce(t.numbered, 0) AS numbered,
+    coalesce(t.distinct_turns, 0) AS distinct_turns, t.first_turn, t.last_turn,
+    coalesce(t.done, 0) AS done, t.latest
+FROM conversations c LEFT JOIN (
+    SELECT conversation_id, count(*) AS jobs, count(turn) AS numbered,
+        count(DISTINCT turn) AS distinct_turns, min(turn) AS first_turn,
+        max(turn) AS last_turn, count(*) FILTER (WHERE state = 'done') AS done,
+        (array_agg(state ORDER BY turn DESC) FILTER (WHERE turn IS NOT NULL))[1] AS latest
+    FROM jobs WHERE conversation_id IS NOT NULL
+    GROUP BY conversation_id
+) t ON t.conversation_id = c.id
+"""
+_SETTLED = "('done', 'failed', 'skipped_budget')"
+# Each check of a conversation: what one that fails it is, and the condition that finds it
+# over _PER_CONVERSATION (docs/design.md §13 says why each holds).
+_CONVERSATION_CHECKS: list[tuple[str, str]] = [
+    (
+        "whose jobs are not turns 0 to turns - 1 exactly (a turn missing or beyond its count)",
+        "NOT (c.distinct_turns = c.turns AND c.numbered = c.jobs"
+        " AND coalesce(c.first_turn, 0) = 0 AND coalesce(c.last_turn, -1) = c.turns - 1)",
+    ),
+    ("with two jobs for one turn", "c.distinct_turns < c.numbered"),
+    ("with a job that has no turn", "c.numbered < c.jobs"),
+    ("with more turns than answer points", "c.turns > c.points"),
+    (
+        "with a turn before its latest that is not done",
+        "c.jobs - c.done > CASE WHEN c.latest = 'done' THEN 0 ELSE 1 END",
+    ),
+    (
+        "active whose latest turn is not queued or running",
+        "c.state = 'active' AND c.latest IS DISTINCT FROM 'queued'"
+        " AND c.latest IS DISTINCT FROM 'running'",
+    ),
+    (
+        "waiting whose latest turn is not settled",
+        f"c.state = 'waiting' AND NOT coalesce(c.latest IN {_SETTLED}, false)",
+    ),
+    (
+        "done before every answer point has its turn done",
+        "c.state = 'done' AND NOT (c.turns = c.points AND c.done = c.jobs AND c.jobs > 0)",
+    ),
+    ("ended without a reason", "c.state = 'ended' AND c.ended_reason IS NULL"),
+    (
+        "ended whose latest turn is not settled as its reason says",
+        "c.state = 'ended' AND c.latest IS DISTINCT FROM CASE c.ended_reason"
+        " WHEN 'failed' THEN 'failed' WHEN 'budget' THEN 'skipped_budget' ELSE 'done' END",
+    ),
+    ("with an end reason but not ended", "c.state <> 'ended' AND c.ended_reason IS NOT NULL"),
+]
+
+
+def _conversation_problems(conn: Connection) -> list[str]:
+    """Each conversation against its turns' jobs: one aggregate over the conversations'
+    jobs, then one line per dataset and check, naming its first conversation that fails."""
+    found = ", ".join(
+        f"count(*) FILTER (WHERE {where}), min(c.id) FILTER (WHERE {where})"
+        for _, where in _CONVERSATION_CHECKS
+    )
+    stmt = text(
+        f"SELECT r.name, d.name, {found} FROM ({_PER_CONVERSATION}) c"
+        " JOIN datasets d ON d.id = c.dataset_id JOIN runs r ON r.id = d.run_id"
+        " GROUP BY r.name, d.name ORDER BY r.name, d.name"
+    )
+    problems = []
+    for run, dataset, *figures in conn.execute(stmt):
+        for (what, _), n, first in zip(
+            _CONVERSATION_CHECKS, figures[::2], figures[1::2], strict=True
+        ):
+            if n:
+                problems.append(
+                    f"{run}/{dataset}: {n} conversation(s) {what} (first: conversation {first})"
                 )
     return problems

@@ -161,8 +161,19 @@ class ConversationQueries:
             )
             return [bytes(digest) for _, digest in created]
 
-    def waiting_conversations(self, limit: int) -> list[WaitingConversation]:
-        """Conversations whose latest turn is settled, oldest first."""
+    def runs_waiting(self) -> list[int]:
+        """The runs that have conversations waiting (by the partial index of those)."""
+        stmt = (
+            select(Dataset.run_id)
+            .join(Conversation, Conversation.dataset_id == Dataset.id)
+            .where(Conversation.state == WAITING)
+            .distinct()
+        )
+        with self.engine.connect() as conn:
+            return sorted(int(r) for r in conn.scalars(stmt))
+
+    def waiting_conversations(self, run_id: int, limit: int) -> list[WaitingConversation]:
+        """A run's conversations whose latest turn is settled, oldest first."""
         stmt = (
             select(
                 Conversation.id,
@@ -176,7 +187,7 @@ class ConversationQueries:
             )
             .join(Dataset, Dataset.id == Conversation.dataset_id)
             .join(Run, Run.id == Dataset.run_id)
-            .where(Conversation.state == WAITING)
+            .where(Conversation.state == WAITING, Dataset.run_id == run_id)
             .order_by(Conversation.id)
             .limit(limit)
         )
@@ -251,13 +262,15 @@ class ConversationQueries:
         conversation_id: int,
         turns: int,
         *,
+        latest: str,
         next_turn: NextTurn | None = None,
         ended: str | None = None,
     ) -> Settled | None:
-        """Decide a waiting conversation whose ``turns`` turns exist: its next turn's job
-        (``next_turn``), its end (``ended``, the reason) or, with neither, done. Nothing
-        happens (None) when it is no longer waiting with that many turns: someone decided
-        it already, or its latest turn was sent back to the queue meanwhile."""
+        """Decide a waiting conversation whose ``turns`` turns exist and whose latest turn's
+        job was read in state ``latest``: its next turn's job (``next_turn``), its end
+        (``ended``, the reason) or, with neither, done. Nothing happens (None) when it is no
+        longer so: someone decided it already, or its latest turn was sent back to the
+        queue and settled again meanwhile (a failed turn retried and done)."""
         with self.engine.begin() as conn:
             locked = conn.execute(
                 select(Conversation.dataset_id, Conversation.row_index, Conversation.digest)
@@ -268,7 +281,11 @@ class ConversationQueries:
                 )
                 .with_for_update()
             ).one_or_none()
-            if locked is None:
+            if locked is None or latest != conn.scalar(
+                select(Job.state).where(
+                    Job.conversation_id == conversation_id, Job.turn == turns - 1
+                )
+            ):
                 return None
             values: dict[str, Any] = {"updated_at": func.now()}
             decided = Settled()

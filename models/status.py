@@ -255,6 +255,8 @@ def _conversations() -> Select[*tuple[Any, ...]]:
         c.ended_reason,
         func.count().label("n"),
         func.coalesce(func.sum(c.points - c.turns).filter(under_way), 0).label("to_come"),
+        func.coalesce(func.sum(c.turns), 0).label("turns"),
+        func.coalesce(func.sum(c.points), 0).label("points"),
     ).group_by(c.dataset_id, c.state, c.ended_reason)
 
 
@@ -267,7 +269,7 @@ def _dataset(
     return DatasetStatus(
         turns=str(row.turns),
         conversations=dict(by_state),
-        turns_to_come=sum(int(c.to_come) for c in conversations),
+        turns_to_come=_turns_to_come(conversations),
         run=row.run,
         dataset=row.name,
         states={state.value: int(getattr(row, state.value)) for state in JobState},
@@ -283,6 +285,16 @@ def _dataset(
         reserve=str(row.reserve),
         reserve_tokens=_reserve_tokens(row),
     )
+
+
+def _turns_to_come(conversations: Sequence[Any]) -> int:
+    """The turns the conversations under way will still have: their answer points left, at
+    the share of its points that a finished conversation reached (some end early); all of
+    them while none has finished."""
+    finished = [c for c in conversations if c.state in ("done", "ended")]
+    points = sum(int(c.points) for c in finished)
+    reached = sum(int(c.turns) for c in finished) / points if points else 1.0
+    return round(sum(int(c.to_come) for c in conversations) * reached)
 
 
 def _reserve_tokens(row: Any) -> int | None:

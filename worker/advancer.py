@@ -1,7 +1,8 @@
 """The advancer: after each settled turn of an on-policy conversation, its next turn.
 
-One worker of the cluster advances (it holds ``keys.advancer_lock``, as the feeder and the
-reconciler hold theirs). Each pass reads the conversations whose latest turn is settled
+Each run's conversations are advanced by one worker process of the cluster: the one that
+holds the run's ``keys.advancer_lock`` (as the feeder and the reconciler hold theirs) and
+can load the run's tokenizer. Each pass reads the conversations whose latest turn is settled
 (the trigger of migration 0011 marks them 'waiting', in the transaction that settled the
 turn) and decides each in one transaction (models.conversations.settle_conversation):
 
@@ -13,14 +14,16 @@ turn) and decides each in one transaction (models.conversations.settle_conversat
 
 A pass killed anywhere leaves the conversation waiting and the next pass decides it again:
 the decision re-checks what it read, and the (conversation, turn) key admits one job per
-turn. The run's tokenizer is loaded from the folder the run recorded, checked by its hash:
-a worker host without it says so once and leaves the run's conversations waiting for a
-worker that has it.
+turn. The run's tokenizer is loaded from the folder the run recorded, checked by its
+hashes: a process that cannot load it says why once, gives the run's lock up for a worker
+that has it, and tries again after RETRY_LOAD_S.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +41,10 @@ from models.states import JobState
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 1.0
+# How long a run's tokenizer that could not be loaded here is not tried again.
+RETRY_LOAD_S = 300.0
+# A run's lock outlives a few passes; a holder that stops loses it after this.
+LOCK_TTL_S = 10.0
 # A next turn's server hint outlives any wait in the queue that a cache could survive.
 HINT_TTL_S = 6 * 3600
 # Conversations decided per pass: a pass stays short, the next one takes the rest.
@@ -46,24 +53,45 @@ BATCH = 256
 
 @dataclass
 class Advancer:
-    """Decides waiting conversations; one per worker process, run by the lock's holder."""
+    """Decides waiting conversations, run by run: each run by the one process that holds
+    its lock (``hold``) and can load its tokenizer."""
 
     repo: Repository
+    # Take or keep a run's lock (``worker.leader.Leadership.hold``), and give it up.
+    hold: Callable[[int], bool]
+    release: Callable[[int], None]
     # Where a next turn's server hint goes (None: no hints, as with turn affinity off).
     redis: redis.Redis | None = None
     queue: str = ""
-    # Each run's tokenizer once loaded, or why it cannot be here (said once).
-    _tokenizers: dict[int, RunTokenizer | str] = field(default_factory=dict)
+    # Each run's tokenizer once loaded; why it cannot be loaded here, and when that was
+    # found (tried again after RETRY_LOAD_S: a folder may be mounted meanwhile).
+    _tokenizers: dict[int, RunTokenizer] = field(default_factory=dict)
+    _cannot: dict[int, tuple[str, float]] = field(default_factory=dict)
 
     def advance(self) -> int:
-        """One pass: decide up to BATCH waiting conversations; how many were decided."""
+        """One pass: for each run with waiting conversations that this process can hold and
+        load, decide up to BATCH of them; how many were decided. A run whose tokenizer is
+        not here is left to a process that has it: its lock is given up."""
         decided = 0
-        for conversation in self.repo.waiting_conversations(BATCH):
-            tokenizer = self._tokenizer(conversation.run_id)
-            if isinstance(tokenizer, str):
-                continue  # waits for a worker with the tokenizer
-            decided += self._decide(conversation, tokenizer)
+        for run_id in self.repo.runs_waiting():
+            if self._cannot_load(run_id) or not self.hold(run_id):
+                continue
+            tokenizer = self._tokenizer(run_id)
+            if tokenizer is None:
+                self.release(run_id)
+                continue
+            for conversation in self.repo.waiting_conversations(run_id, BATCH):
+                decided += self._decide(conversation, tokenizer)
         return decided
+
+    def release_all(self) -> None:
+        """Give up the locks of the runs this process advanced (at stop)."""
+        for run_id in self._tokenizers:
+            self.release(run_id)
+
+    def _cannot_load(self, run_id: int) -> bool:
+        found = self._cannot.get(run_id)
+        return found is not None and time.monotonic() - found[1] < RETRY_LOAD_S
 
     def _decide(self, conversation: WaitingConversation, tokenizer: RunTokenizer) -> bool:
         turns = self.repo.conversation_turns(conversation.id)
@@ -71,9 +99,9 @@ class Advancer:
             return False  # read between a new turn's insert and its commit: next pass
         latest = turns[-1]
         if latest.state == JobState.FAILED.value:
-            return self._settle(conversation, Step(ended=FAILED), None)
+            return self._settle(conversation, latest.state, Step(ended=FAILED), None)
         if latest.state == JobState.SKIPPED_BUDGET.value:
-            return self._settle(conversation, Step(ended=BUDGET), None)
+            return self._settle(conversation, latest.state, Step(ended=BUDGET), None)
         if latest.state != JobState.DONE.value:
             return False  # sent back to the queue meanwhile: active again
         answers = [
@@ -90,9 +118,11 @@ class Advancer:
             max_new_tokens=conversation.max_new_tokens,
             max_context_len=conversation.max_context_len,
         )
-        return self._settle(conversation, step, latest.server)
+        return self._settle(conversation, latest.state, step, latest.server)
 
-    def _settle(self, conversation: WaitingConversation, step: Step, server: str | None) -> bool:
+    def _settle(
+        self, conversation: WaitingConversation, latest: str, step: Step, server: str | None
+    ) -> bool:
         """Store the decision; a next turn's job is pointed at ``server``, the one that
         generated the turn before it (a hint the attempt follows when that server has room;
         one lost to a Redis outage only costs the cache hit)."""
@@ -100,7 +130,7 @@ class Advancer:
         if step.input_ids is not None and step.messages is not None:
             job = NextTurn(step.input_ids, step.messages, step.opens_reasoning)
         settled = self.repo.settle_conversation(
-            conversation.id, conversation.turns, next_turn=job, ended=step.ended
+            conversation.id, conversation.turns, latest=latest, next_turn=job, ended=step.ended
         )
         if settled is None:
             return False
@@ -108,12 +138,19 @@ class Advancer:
             self.redis.set(keys.turn_server(self.queue, settled.job_id), server, ex=HINT_TTL_S)
         return True
 
-    def _tokenizer(self, run_id: int) -> RunTokenizer | str:
-        found = self._tokenizers.get(run_id)
-        if found is None:
-            found = self._tokenizers[run_id] = self._load(run_id)
-            if isinstance(found, str):
-                log.error("advancer: %s", found)
+    def _tokenizer(self, run_id: int) -> RunTokenizer | None:
+        """The run's tokenizer, loaded once; None (said once per reason) when it cannot be
+        loaded here."""
+        if run_id in self._tokenizers:
+            return self._tokenizers[run_id]
+        found = self._load(run_id)
+        if isinstance(found, str):
+            if self._cannot.get(run_id, ("",))[0] != found:
+                log.error("advancer: run %d: %s", run_id, found)
+            self._cannot[run_id] = (found, time.monotonic())
+            return None
+        self._cannot.pop(run_id, None)
+        self._tokenizers[run_id] = found
         return found
 
     def _load(self, run_id: int) -> RunTokenizer | str:

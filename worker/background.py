@@ -20,6 +20,7 @@ from core import heartbeat, keys, wire
 from core.broker import redis_now, wake_feeder
 from core.heartbeat import Heartbeat, ServerBeat
 from worker.advancer import INTERVAL_S as ADVANCE_INTERVAL_S
+from worker.advancer import LOCK_TTL_S as ADVANCE_LOCK_TTL_S
 from worker.advancer import Advancer
 from worker.controller import LimitControllers
 from worker.feeder import Feeder, FeedLog
@@ -51,7 +52,15 @@ class Background:
         self._consuming_lock = threading.Lock()
         self._leadership = Leadership(ctx.redis, ctx.name)
         s = ctx.settings
-        self._advancer = Advancer(ctx.repo, ctx.redis if s.turn_affinity else None, s.queue)
+        self._advancer = Advancer(
+            ctx.repo,
+            hold=lambda run: self._leadership.hold(
+                keys.advancer_lock(s.queue, run), ADVANCE_LOCK_TTL_S
+            ),
+            release=lambda run: self._leadership.release(keys.advancer_lock(s.queue, run)),
+            redis=ctx.redis if s.turn_affinity else None,
+            queue=s.queue,
+        )
         # One concurrency controller per server whose limit is not fixed (worker.controller).
         self.limits = LimitControllers.for_worker(
             ctx.router.servers,
@@ -95,7 +104,7 @@ class Background:
         try:
             heartbeat.remove(self.ctx.redis, socket.gethostname(), os.getpid())
             self._leadership.release(keys.feeder_lock(self.ctx.settings.queue))
-            self._leadership.release(keys.advancer_lock(self.ctx.settings.queue))
+            self._advancer.release_all()
         except redis.RedisError:  # Redis down: the heartbeat expires by itself
             log.warning("could not remove the heartbeat; it expires in a few beats")
 
@@ -263,11 +272,8 @@ class Background:
             wake_feeder(self.ctx.redis, s.queue)
 
     def advance_if_leader(self) -> None:
-        """Create conversations' next turns (worker.advancer) when this worker holds (or
-        wins) the Redis lock; wake the feeder for them."""
-        lock = keys.advancer_lock(self.ctx.settings.queue)
-        if not self._leadership.hold(lock, max(10.0, 5 * ADVANCE_INTERVAL_S)):
-            return
+        """Create conversations' next turns (worker.advancer) of the runs whose lock this
+        worker holds (or wins); wake the feeder for them."""
         if self._advancer.advance():
             wake_feeder(self.ctx.redis, self.ctx.settings.queue)
 

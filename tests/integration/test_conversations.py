@@ -263,8 +263,8 @@ def test_a_turn_is_created_once_and_a_turn_sent_back_makes_its_conversation_acti
     assert state_of(repo, conversation.id) == ("waiting", 1)
     job = NextTurn([1, 2, 3], json.dumps({"messages": [], "tools": None}), False)
     # Two advancers deciding the same conversation (or one killed and run again): one job.
-    assert repo.settle_conversation(conversation.id, 1, next_turn=job)
-    assert not repo.settle_conversation(conversation.id, 1, next_turn=job)
+    assert repo.settle_conversation(conversation.id, 1, latest="failed", next_turn=job)
+    assert not repo.settle_conversation(conversation.id, 1, latest="failed", next_turn=job)
     assert state_of(repo, conversation.id) == ("active", 2)
     with repo.engine.begin() as conn:
         turns = conn.execute(
@@ -273,7 +273,9 @@ def test_a_turn_is_created_once_and_a_turn_sent_back_makes_its_conversation_acti
         assert list(turns) == [0, 1]
         conn.execute(text("UPDATE jobs SET state = 'failed' WHERE turn = 1"))
     assert state_of(repo, conversation.id) == ("waiting", 2)
-    assert repo.settle_conversation(conversation.id, 2, ended=FAILED)
+    # Decided on a read from before the turn was retried and done: nothing happens.
+    assert not repo.settle_conversation(conversation.id, 2, latest="done", ended=FAILED)
+    assert repo.settle_conversation(conversation.id, 2, latest="failed", ended=FAILED)
     assert state_of(repo, conversation.id) == ("ended", 2)
     # The failed turn retried: its conversation is under way again, its end forgotten.
     with repo.engine.begin() as conn:
@@ -345,3 +347,38 @@ def show_json(settings: Settings, job_id: int) -> dict[str, Any]:
     )
     assert result.returncode == 0, result.stderr
     return dict(json.loads(result.stdout))
+
+
+def test_a_run_whose_tokenizer_is_not_here_is_left_to_another_worker_and_blocks_no_other(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    import shutil
+
+    from eaglegen.assets import TOKENIZER_DIR
+    from worker.advancer import Advancer
+
+    elsewhere = shutil.copytree(TOKENIZER_DIR, tmp_path / "elsewhere")
+    rows = write_jsonl(tmp_path / "c.jsonl", ROWS[:3])
+    enqueue_file(settings, rows, run="away", tokenizer=elsewhere, turns="all")
+    enqueue_file(settings, rows, run="here", turns="all")
+    shutil.rmtree(elsewhere)  # as on a worker host without that folder
+    with repo.engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET state = 'failed' WHERE turn = 0"))
+    held: list[int] = []
+    released: list[int] = []
+    advancer = Advancer(repo, hold=lambda run: held.append(run) or True, release=released.append)
+    assert advancer.advance() == 3  # run "here" decided, whatever the other holds
+    with repo.engine.connect() as conn:
+        states = dict(
+            conn.execute(
+                text("""
+                SELECT r.name,
+                       string_agg(DISTINCT c.state || ':' || coalesce(c.ended_reason, ''), ',')
+                FROM conversations c JOIN datasets d ON d.id = c.dataset_id
+                JOIN runs r ON r.id = d.run_id GROUP BY r.name
+                """)
+            ).all()
+        )
+    assert states == {"away": "waiting:", "here": "ended:failed"}, states
+    [away] = [run for run in held if run in released]  # its lock given up for another host
+    assert advancer.advance() == 0 and held.count(away) == 1  # not tried again at once
