@@ -6,6 +6,7 @@ import contextlib
 import shlex
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -113,13 +114,16 @@ def run_demo(settings: Settings, options: DemoOptions) -> dict[str, Any]:
             jobs = _wait(Repository(engine), run, options.timeout_s, console, children[0])
             elapsed = time.monotonic() - started
             counts = Repository(engine).counts(run)
+            conversations: Counter[str] = Counter()
+            for dataset in Repository(engine).status(run).datasets:
+                conversations.update(dataset.conversations)
         finally:
             for child in children:
                 child.stop()
             engine.dispose()
     # The database the demo started itself is stopped by now: its URL would lead nowhere.
     database = redact(live.database_url) if settings.database_url is not None else None
-    return _summary(settings, database, run, counts, jobs, elapsed)
+    return _summary(settings, database, run, counts, jobs, elapsed, dict(conversations))
 
 
 def _wait(
@@ -151,6 +155,7 @@ def _summary(
     counts: Any,
     jobs: dict[str, int],
     elapsed: float,
+    conversations: dict[str, int],
 ) -> dict[str, Any]:
     prompt = sum(c.prompt_tokens for c in counts)
     completion = sum(c.completion_tokens for c in counts)
@@ -163,14 +168,28 @@ def _summary(
             f"run {run!r} kept in {settings.data_dir}, its embedded services stopped "
             f"(`{again}` serves it again)"
         )
+    # Its multi-turn rows are answered turn by turn (turns = "all"): how they ended.
+    ended = ", ".join(
+        f"{k.removeprefix('ended: ')} {n}"
+        for k, n in sorted(conversations.items())
+        if k.startswith("ended")
+    )
+    talks = (
+        f" ({conversations.get('done', 0)} conversations answered to the end"
+        + (f"; ended early: {ended}" if ended else "")
+        + ")"
+        if conversations
+        else ""
+    )
     line = (
-        f"demo: {jobs['done']}/{jobs['total']} jobs done, {jobs['failed']} failed; "
+        f"demo: {jobs['done']}/{jobs['total']} jobs done{talks}, {jobs['failed']} failed; "
         f"{prompt:,} prompt + {completion:,} completion tokens in {elapsed:.1f} s "
         f"({rate:,.0f} tok/s); {where}"
     )
     return {
         "run": run,
         "jobs": jobs,
+        "conversations": conversations,
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "elapsed_s": round(elapsed, 3),

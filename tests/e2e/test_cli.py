@@ -185,6 +185,10 @@ def test_demo_runs_end_to_end_on_embedded_services(tmp_path: Path) -> None:
     # 300 rows, the multi-turn ones answered turn by turn: more jobs than rows, all done.
     assert summary["jobs"]["total"] > 300
     assert summary["jobs"]["done"] == summary["jobs"]["total"]
+    conversations = summary["conversations"]
+    assert conversations.get("done", 0) > 0, conversations  # the sample's multi-turn rows
+    assert not {"active", "waiting"} & set(conversations), conversations
+    assert "conversations answered to the end" in summary["summary_line"]
     assert summary["completion_tokens"] > 0 and summary["tokens_per_s"] > 0
     assert summary["data_dir"] == str((tmp_path / "demo").resolve())
     assert (tmp_path / "demo" / "postgres" / "PG_VERSION").is_file()  # the data stays
