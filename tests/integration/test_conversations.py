@@ -9,6 +9,7 @@ in order) and the model's exact output (each earlier answer's text is in what it
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -18,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 from sqlalchemy import select, text
 from transformers import AutoTokenizer
 
 from core.dialogue import FAILED, TOO_LONG, TOOL_DIVERGENCE, TRUNCATED, answer_points
 from core.settings import ServerSpec, Settings
+from eaglegen.report.status import status_document, status_view
 from eaglegen.sim import SimConfig, SimServer
 from models.conversations import ConversationCounts, NextTurn
 from models.repository import Repository
@@ -225,6 +228,15 @@ def test_a_cut_answer_a_diverging_call_and_a_prompt_too_long_end_their_conversat
     assert ends["long"].ended_by_reason == {TOO_LONG: 3}, ends["long"]
     for counts in ends.values():
         assert counts.turns_created == counts.total  # the turns after an end never exist
+    # status: the conversations table names each end.
+    out = Console(width=200, record=True, file=io.StringIO())
+    out.print(status_view(repo.status(), None))
+    table = out.export_text()
+    assert "conversations (turns = all)" in table
+    for reason in (TRUNCATED, TOOL_DIVERGENCE, TOO_LONG):
+        assert reason in table, table
+    documents = {d["run"]: d for d in status_document(repo.status(), None)["datasets"]}
+    assert documents["cut"]["conversations"] == {"ended: truncated": 3, "turns_to_come": 0}
     # The first turn of each stays: the model's answer to an on-policy prompt.
     for turns in turns_of(repo).values():
         assert [t["state"] for t in turns] == ["done"]
