@@ -21,7 +21,7 @@ _IDS = np.dtype("<i4")  # as stored (models.tokens), whatever this machine's byt
 
 SCHEMA = pa.schema(
     [
-        pa.field("id", pa.int64(), nullable=False),
+        pa.field("id", pa.string(), nullable=False),  # exporter.rows: job, turn or merged
         pa.field("dataset", pa.string(), nullable=False),
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
@@ -36,6 +36,10 @@ SCHEMA = pa.schema(
         pa.field("reasoning_tokens", pa.int32()),
         pa.field("answer_tokens", pa.int32()),
         pa.field("row_index", pa.int32(), nullable=False),
+        pa.field("job_id", pa.int64(), nullable=False),
+        pa.field("conversation_id", pa.int64()),
+        pa.field("turn", pa.int32()),
+        pa.field("turns", pa.int32(), nullable=False),
     ]
 )
 # The metadata of a JSON Lines row (its other keys are the ones trainers read).
@@ -50,6 +54,10 @@ _METADATA = (
     "reasoning_tokens",
     "answer_tokens",
     "row_index",
+    "job_id",
+    "conversation_id",
+    "turn",
+    "turns",
 )
 
 
@@ -60,9 +68,10 @@ def record_batch(rows: Sequence[TokenRow]) -> pa.RecordBatch:
     ids = np.frombuffer(b"".join(r.input_ids for r in rows), _IDS).astype(np.int32, copy=False)
     mask = np.zeros(len(ids), np.int8)
     for start, row in zip(offsets.to_pylist(), rows, strict=False):
-        mask[start + min(row.prompt_len, row.seq_len) : start + row.seq_len] = 1
+        for a, b in row.loss_spans():
+            mask[start + a : start + b] = 1
     columns: dict[str, Any] = {
-        "id": pa.array([r.id for r in rows], pa.int64()),
+        "id": pa.array([r.id for r in rows], pa.string()),
         "dataset": pa.array([r.dataset for r in rows], pa.string()),
         "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids, pa.int32())),
         "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask, pa.int8())),
@@ -80,7 +89,8 @@ def jsonl_line(row: TokenRow) -> bytes:
     regenerated rows carry them (the primary id names the source row)."""
     ids = np.frombuffer(row.input_ids, _IDS).astype(np.int32, copy=False)
     mask = np.zeros(row.seq_len, np.int8)
-    mask[min(row.prompt_len, row.seq_len) :] = 1
+    for a, b in row.loss_spans():
+        mask[a:b] = 1
     document = {
         "id": row.id,
         "primary_id": f"{row.dataset}/{row.row_index}",

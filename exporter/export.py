@@ -13,6 +13,16 @@ stamped after it (``resume.seen``: only those of the last minutes before the pas
 next pass reads what is stamped at or after ``since`` and is not seen. A list of every
 exported id would grow with the run; a job id watermark would miss jobs recorded late
 (jobs are recorded out of id order: retries, many workers).
+
+Conversations read whole (``--merge-turns``, ``--format conversations``) are read once in a
+final state, done or ended: a conversation still under way is left out of the pass (the
+manifest counts its done turns under ``conversation_turns_under_way``) and a later
+incremental pass exports it whole. They resume the same way, by the time a conversation
+reached its final state (``resume.since``) and the conversations read after it
+(``resume.conversations``). A conversation that ended on a failed or skipped turn and is
+taken up again afterwards (that turn queued again by ``eaglegen requeue`` or a raised
+budget) reaches a final state a second time, and a later incremental pass exports it again,
+whole: the rows of its first end stay in the shards written before.
 """
 
 from __future__ import annotations
@@ -40,12 +50,13 @@ from exporter.manifest import (
 from exporter.roundtrip import RoundTrips
 from exporter.rows import TokenRow, select_row
 from exporter.shaping import ConversationShaper, ValidityCheck
-from exporter.split import TRAIN, VAL, split_of
+from exporter.split import TRAIN, VAL, conversation_key, split_key, split_of
 from exporter.tally import Tally
 from exporter.tokenizer import RunTokenizer, for_run, run_stop_ids
 from exporter.usage import how_to_load
+from exporter.whole import MergedTokens, Outcome
 from exporter.writers import Row, Shard, SplitWriter
-from models.export import PromptedGeneration
+from models.export import ExportedConversation, PromptedGeneration
 from models.records import ExportedGeneration, ExportRun
 from models.repository import Repository
 
@@ -146,12 +157,15 @@ def _check_writable(out: Path) -> None:
 
 # One generation of the scan in, its row (or the filter that removed it) out.
 Shape = Callable[[Any], tuple[ExportedGeneration, Row | str]]
+# One conversation read whole in, its rows and removals out.
+ShapeWhole = Callable[[ExportedConversation], Outcome]
 
 
 @dataclass
 class _Scan:
     started_at: datetime
     rows: Iterator[Any]
+    conversations: Iterator[ExportedConversation]
 
 
 def run_export(
@@ -194,9 +208,10 @@ def _write(
     }
     tally = Tally()
     trips = RoundTrips() if options.format == CONVERSATIONS else None
-    shape = _shaper(run, options, tokenizer, trips)
+    shape, whole = _shapers(run, options, tokenizer, trips)
     cursor = None if previous is None else previous.cursor()
     seen = {} if previous is None else dict(previous.seen)
+    seen_whole = {} if previous is None else dict(previous.conversations)
     try:
         with _scan(repo, run.id, options, cursor, prompted=tokenizer is not None) as scan:
             since = scan.started_at - RESUME_MARGIN
@@ -208,13 +223,23 @@ def _write(
                     seen[gen.job_id] = gen.created_at
                 if progress is not None:
                     progress(1)
+            for conversation in scan.conversations:
+                assert whole is not None, "conversations are read whole only with a shaper"
+                _export_whole(conversation, whole, options, writers, tally)
+                if conversation.updated_at >= since:
+                    seen_whole[conversation.id] = conversation.updated_at
+                if progress is not None:
+                    progress(len(conversation.turns))
             shards = [s for w in writers.values() for s in w.finish()]
     except BaseException:
         for writer in writers.values():
             writer.abort()
         raise
     seen = {i: t for i, t in seen.items() if t >= since}
-    context = _Context(run, request, previous, tally, shards, since, seen, scan.started_at)
+    seen_whole = {i: t for i, t in seen_whole.items() if t >= since}
+    context = _Context(
+        run, request, previous, tally, shards, since, seen, scan.started_at, seen_whole
+    )
     document = _manifest(repo, context, trips, tokenizer)
     usage = how_to_load(request.out, options, document)
     folder.write(USAGE, usage.encode())
@@ -228,29 +253,36 @@ def _scan(
 ) -> Iterator[_Scan]:
     """The repository's stream: with each job's prompt when the rows are decoded."""
     datasets = options.filters.datasets
+    whole = options.whole_conversations
     if prompted:
-        with repo.prompted_scan(run_id, datasets, cursor) as pscan:
-            yield _Scan(pscan.started_at, pscan.rows)
+        with repo.prompted_scan(run_id, datasets, cursor, whole=whole) as pscan:
+            yield _Scan(pscan.started_at, pscan.rows, pscan.conversations)
     else:
-        with repo.export_scan(run_id, datasets, cursor) as tscan:
-            yield _Scan(tscan.started_at, tscan.rows)
+        with repo.export_scan(run_id, datasets, cursor, whole=whole) as tscan:
+            yield _Scan(tscan.started_at, tscan.rows, tscan.conversations)
 
 
-def _shaper(
+def _shapers(
     run: ExportRun, options: Options, tokenizer: RunTokenizer | None, trips: RoundTrips | None
-) -> Shape:
+) -> tuple[Shape, ShapeWhole | None]:
+    """How a generation becomes a row, and how a conversation read whole becomes rows (None
+    unless conversations are read whole)."""
+    merged = MergedTokens(options.filters) if options.merge_turns else None
     if tokenizer is None:
-        return lambda gen: (gen, select_row(gen, options.filters))
+        return (lambda gen: (gen, select_row(gen, options.filters))), merged
     stops = run_stop_ids(run)  # the run's stored stop ids, never the tokenizer's again
     if trips is not None:
-        return ConversationShaper(options, tokenizer, trips, stops)
+        shaper = ConversationShaper(options, tokenizer, trips, stops)
+        return shaper, shaper.conversation
     check = ValidityCheck(tokenizer, stops)
 
     def tokens(item: PromptedGeneration) -> tuple[ExportedGeneration, Row | str]:
         gen = item.generation
         return gen, select_row(gen, options.filters, lambda: check(item))
 
-    return tokens
+    if options.merge_turns:
+        merged = MergedTokens(options.filters, check)
+    return tokens, merged
 
 
 def _export_one(
@@ -260,7 +292,7 @@ def _export_one(
     if isinstance(selected, str):
         tally.removed(gen.dataset, selected)
         return gen
-    split = split_of(gen.job_id, options.seed, options.val_fraction)
+    split = split_of(split_key(gen), options.seed, options.val_fraction)
     writers[split].add(selected)
     if isinstance(selected, TokenRow):
         cut, length = selected.cut, selected.seq_len
@@ -270,6 +302,25 @@ def _export_one(
         cut = max_len is not None and length > max_len
     tally.exported(gen.dataset, split, cut=cut, length=length)
     return gen
+
+
+def _export_whole(
+    conversation: ExportedConversation,
+    shape: ShapeWhole,
+    options: Options,
+    writers: dict[str, SplitWriter],
+    tally: Tally,
+) -> None:
+    """Write a conversation read whole, every row of it in its conversation's split."""
+    outcome = shape(conversation)
+    dataset = conversation.dataset
+    for reason, turns in outcome.removed:
+        tally.removed(dataset, reason, turns)
+    split = split_of(conversation_key(conversation.id), options.seed, options.val_fraction)
+    for written in outcome.rows:
+        writers[split].add(written.row)
+        tally.exported(dataset, split, cut=written.cut, length=written.length, turns=written.turns)
+    tally.conversations(dataset).count(outcome.plan, written=bool(outcome.rows))
 
 
 @dataclass(frozen=True)
@@ -284,6 +335,7 @@ class _Context:
     since: datetime
     seen: dict[int, datetime]
     started_at: datetime
+    seen_conversations: dict[int, datetime]
 
 
 def _manifest(
@@ -323,4 +375,8 @@ def _manifest(
         seen=ctx.seen,
         roundtrip=trips,
         template_matches_run=None if tokenizer is None else tokenizer.template_matches_run,
+        seen_conversations=ctx.seen_conversations,
+        under_way=(
+            repo.under_way_turns(run.id, wanted) if request.options.whole_conversations else None
+        ),
     )

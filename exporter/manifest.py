@@ -3,7 +3,9 @@
 It is the list of an export's shards: a trainer reads the shards it names (a shard renamed
 into place by an export that was killed before it wrote its manifest is in none). It also
 holds where an incremental export resumes (``resume``): every generation recorded at or
-after ``since`` whose id is not in ``seen``.
+after ``since`` whose id is not in ``seen``, and, for an export of whole conversations,
+every conversation that reached its final state at or after ``since`` and is not in
+``conversations``.
 
 A manifest is read as a file in OUT, never through a link, and the shard names it lists
 (and its passes list) must be plain names in OUT: an incremental export carries them into
@@ -31,8 +33,11 @@ from exporter.writers import Shard
 from models.records import ExportCursor, ExportRun
 
 FORMATS = (TOKENS, CONVERSATIONS)
-# 2: each split in a folder of its own (1 put the shards beside the manifest).
-VERSION = 2
+# 3: a token row's id is a string (a conversation's turn is "<conversation>_turn<t>"), and
+# conversations are exported by conversation; 2: each split in a folder of its own (1 put
+# the shards beside the manifest). Rows of two versions in one folder would not load as one
+# data set (an id column of two types).
+VERSION = 3
 # The options an incremental export must share with the export it extends, by the flag
 # that sets each: rows of two settings in one folder would be one data set of neither.
 FLAGS = {
@@ -44,6 +49,7 @@ FLAGS = {
     "max_len": "--max-len",
     "only_valid": "--only-valid",
     "require_exact": "--require-exact",
+    "merge_turns": "--merge-turns",
     "style": "--style",
     "val_fraction": "--val-fraction",
     "seed": "--seed",
@@ -61,6 +67,21 @@ class Options:
     format: str = TOKENS
     style: str | None = None  # conversations only: exporter.conversations.STYLES
     consumer: str = HF  # ``--for``: exporter.layouts.CONSUMERS
+    # Tokens only: a prefix-consistent conversation as one row (exporter.merge).
+    merge_turns: bool = False
+
+    def __post_init__(self) -> None:
+        if self.merge_turns and self.format != TOKENS:
+            raise ValueError(
+                "--merge-turns merges token rows: --format conversations already writes "
+                "each conversation whole"
+            )
+
+    @property
+    def whole_conversations(self) -> bool:
+        """Whether conversations are read whole, once in a final state (merged token rows,
+        or conversation rows), rather than turn by turn as their turns are done."""
+        return self.merge_turns or self.format == CONVERSATIONS
 
     def document(self) -> dict[str, Any]:
         """As the manifest writes it (keys as in :data:`FLAGS`)."""
@@ -74,6 +95,7 @@ class Options:
             "max_len": self.filters.max_len,
             "only_valid": self.filters.only_valid,
             "require_exact": self.filters.require_exact,
+            "merge_turns": self.merge_turns,
             "style": self.style,
             "val_fraction": self.val_fraction,
             "seed": self.seed,
@@ -90,10 +112,12 @@ class Previous:
     since: datetime
     seen: dict[int, datetime]
     roundtrip: RoundTrips = field(default_factory=RoundTrips)
+    # Conversations read whole after ``since``, by id (``resume.conversations``).
+    conversations: dict[int, datetime] = field(default_factory=dict)
 
     def cursor(self) -> ExportCursor:
         """Where the next export resumes."""
-        return ExportCursor(self.since, frozenset(self.seen))
+        return ExportCursor(self.since, frozenset(self.seen), frozenset(self.conversations))
 
 
 def read_manifest(out: Path) -> Previous | None:
@@ -113,12 +137,15 @@ def read_manifest(out: Path) -> Previous | None:
             since=datetime.fromisoformat(resume["since"]),
             seen={int(i): datetime.fromisoformat(t) for i, t in resume["seen"]},
             roundtrip=RoundTrips.from_document(doc.get("roundtrip") or {}),
+            conversations={
+                int(i): datetime.fromisoformat(t) for i, t in resume.get("conversations", [])
+            },
         )
         if doc.get("manifest_version") != VERSION:
             raise ValueError(
                 f"{path} is from an export of another layout (manifest_version "
                 f"{doc.get('manifest_version')!r}, this eaglegen writes {VERSION}: each split "
-                "in a folder of its own): export into a new folder"
+                "in a folder of its own, row ids as strings): export into a new folder"
             )
         names = [s.file for s in previous.shards]
         for done in doc["passes"]:
@@ -204,15 +231,26 @@ def check_extends(previous: Previous, run: ExportRun, options: Options) -> None:
         )
 
 
-_OFF: dict[str, Any] = {"only_valid": False, "require_exact": False, "style": None}
+_OFF: dict[str, Any] = {
+    "only_valid": False,
+    "require_exact": False,
+    "merge_turns": False,
+    "style": None,
+}
 _COLUMNS = {
     TOKENS: {
-        "input_ids": "prompt ids then output ids, as generated (cut to max_len if set)",
-        "loss_mask": "0 over the prompt, 1 over every generated token, stop token included",
+        "id": "the job id; a conversation's turn: <conversation>_turn<t>; its turns 0 to t "
+        "merged (--merge-turns): <conversation>_turn0-<t>",
+        "input_ids": "prompt ids then output ids, as generated (cut to max_len if set); a "
+        "merged row: its last turn's",
+        "loss_mask": "0 over the prompt, 1 over every generated token, stop token included; a "
+        "merged row: 1 over every turn's output, 0 over everything else",
+        "turns": "the turns whose output the row trains (1 unless merged)",
     },
     CONVERSATIONS: {
         "assistant": "the last turn, decoded from the exact output ids: reasoning_content "
-        "before the think-end token, content after it, tool_calls from the tool-call sections",
+        "before the think-end token, content after it, tool_calls from the tool-call sections; "
+        "a conversation's row holds every turn so decoded, its id <conversation>_turn0-<t>",
         "metadata.roundtrip_exact": "the run's chat template re-applied to the row gives the "
         "recorded prompt + output ids exactly, or exactly but for what the template writes "
         "after the turn's stop token (roundtrip.DATASET.exact_up_to_turn_suffix counts those)",
@@ -233,6 +271,8 @@ def manifest_document(
     seen: dict[int, datetime],
     roundtrip: RoundTrips | None = None,
     template_matches_run: bool | None = None,
+    seen_conversations: dict[int, datetime] | None = None,
+    under_way: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The manifest's document; ``roundtrip`` for conversations."""
     document: dict[str, Any] = {
@@ -261,8 +301,14 @@ def manifest_document(
         "resume": {
             "since": since.isoformat(),
             "seen": [[i, t.isoformat()] for i, t in sorted(seen.items())],
+            "conversations": [
+                [i, t.isoformat()] for i, t in sorted((seen_conversations or {}).items())
+            ],
         },
     }
+    if under_way is not None:
+        # Done turns left for a later pass: their conversation was still under way.
+        document["conversation_turns_under_way"] = dict(sorted(under_way.items()))
     if roundtrip is not None:
         document["roundtrip"] = roundtrip.document()
     return document

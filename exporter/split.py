@@ -1,9 +1,16 @@
-"""The train/val split: by a hash of the seed and the row's id, so that an export of the
-same run with the same seed (or an incremental one) puts every row where it was."""
+"""The train/val split: by a hash of the seed and the row's key, so that an export of the
+same run with the same seed (or an incremental one) puts every row where it was.
+
+A plain job's key is its id. Every row of a conversation (each turn's, or its merged or
+whole row) is keyed by the conversation, so no conversation has rows in both splits: a
+validation row whose earlier turns were trained on would measure memory, not drafting.
+"""
 
 from __future__ import annotations
 
 import hashlib
+
+from models.records import ExportedGeneration
 
 TRAIN = "train"
 VAL = "val"
@@ -17,9 +24,19 @@ def check_fraction(val_fraction: float) -> float:
     return val_fraction
 
 
-def split_of(row_id: int, seed: int, val_fraction: float) -> str:
-    """``VAL`` for about ``val_fraction`` of the ids (the same ones for the same seed)."""
+def split_key(gen: ExportedGeneration) -> int | str:
+    """What decides ``gen``'s split: its job id, or its conversation."""
+    return gen.job_id if gen.conversation_id is None else conversation_key(gen.conversation_id)
+
+
+def conversation_key(conversation_id: int) -> str:
+    """The split key of every row of a conversation (apart from any job id's)."""
+    return f"c{conversation_id}"
+
+
+def split_of(key: int | str, seed: int, val_fraction: float) -> str:
+    """``VAL`` for about ``val_fraction`` of the keys (the same ones for the same seed)."""
     if val_fraction <= 0.0:
         return TRAIN
-    digest = hashlib.sha256(f"{seed}:{row_id}".encode()).digest()
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
     return VAL if int.from_bytes(digest[:8], "big") < val_fraction * _SCALE else TRAIN

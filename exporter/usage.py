@@ -52,6 +52,7 @@ class _Export:
     longest: int
     family: str | None
     reasoning: bool
+    conversations: bool  # rows of on-policy conversations read whole
 
 
 def how_to_load(out: Path, options: Options, manifest: dict[str, Any]) -> str:
@@ -66,6 +67,7 @@ def how_to_load(out: Path, options: Options, manifest: dict[str, Any]) -> str:
         max((c.get("longest_row", 0) for c in counts), default=0),
         manifest["run"].get("family"),
         manifest["run"].get("think_end_id") is not None,
+        any(c.get("conversations", {}).get("read") for c in counts),
     )
     return "\n".join(_LINES[options.consumer](export)) + "\n"
 
@@ -95,13 +97,21 @@ def _specforge(e: _Export) -> list[str]:
             f"The rows are pre-tokenized: {_EXACT}. max_length is the longest row, so "
             "SpecForge cuts none.",
         ]
-    return [
-        *lines,
+    lines.append(
         "The rows are conversations: SpecForge templates them again with its own chat "
         "template, so its ids and loss mask are its own, not the recorded ones (it trains "
         "the <think> the prompt opened, and adds a system message where the row has none). "
-        "For the exact ids, export --for specforge --format tokens.",
-    ]
+        "For the exact ids, export --for specforge --format tokens."
+    )
+    if e.conversations:
+        lines += [
+            "",
+            "Rows of on-policy conversations (ids <conversation>_turn0-<t>) hold every "
+            "assistant turn as the model's own answer: train_only_last_turn: false trains "
+            "them all (and also the earlier assistant turns of any other row, which its "
+            'dataset wrote: rows of turns = "last" datasets).',
+        ]
+    return lines
 
 
 def _specforge_template(e: _Export) -> str:

@@ -373,12 +373,18 @@ class ExportedGeneration:
     reasoning_tokens: int | None
     answer_tokens: int | None
     created_at: datetime
+    # A turn of an on-policy conversation: which, and its index from 0 (None: a plain job).
+    conversation_id: int | None = None
+    turn: int | None = None
 
 
 @dataclass(frozen=True)
 class ExportCursor:
     """Where an incremental export starts: every generation recorded at or after
-    ``since`` whose job is not in ``seen`` (those an earlier export already read)."""
+    ``since`` whose job is not in ``seen`` (those an earlier export already read); and,
+    for an export of whole conversations, every conversation that reached its final state
+    at or after ``since`` and is not in ``conversations``."""
 
     since: datetime
     seen: frozenset[int] = frozenset()
+    conversations: frozenset[int] = frozenset()

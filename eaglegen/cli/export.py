@@ -101,6 +101,14 @@ def export(
         bool,
         typer.Option(help="Conversations: drop rows whose round trip is not the recorded ids"),
     ] = False,
+    merge_turns: Annotated[
+        bool,
+        typer.Option(
+            help="Tokens: a conversation whose every turn's prompt extends the turn before it "
+            "as one row, trained over every turn's output (the others: one row per turn); "
+            "only conversations done or ended"
+        ),
+    ] = False,
     trust_remote_code: Annotated[
         bool, typer.Option(help="Let the run's tokenizer run its own Python code to load")
     ] = False,
@@ -157,6 +165,7 @@ def export(
         seed=seed,
         format=layout.format,
         style=layout.style,
+        merge_turns=merge_turns,
     )
     request = ExportRequest(
         run=check_name("run", run),
@@ -344,9 +353,36 @@ def _report(result: ExportResult, request: ExportRequest, json_out: bool) -> Non
         f"manifest {inline(str(request.out / 'manifest.json'))}",
         highlight=False,
     )
+    _report_conversations(result)
     if result.roundtrip is not None:
         _report_round_trips(result)
     console().print(result.usage, end="", highlight=False, markup=False, soft_wrap=True)
+
+
+def _report_conversations(result: ExportResult) -> None:
+    """Per dataset read by conversation: how many became one row, why the others did not,
+    and the done turns left for a later pass."""
+    under_way: dict[str, int] = result.manifest.get("conversation_turns_under_way") or {}
+    read = {
+        n: c.conversations for n, c in result.tally.datasets.items() if c.conversations is not None
+    }
+    for name in sorted(set(read) | set(under_way)):
+        line = f"conversations {inline(name)}:"
+        conversations = read.get(name)
+        if conversations is not None:
+            line += (
+                f" {conversations.merged}/{conversations.read} as one row "
+                f"({conversations.merged_turns} turn(s))"
+            )
+            if conversations.unmerged_turns:
+                why = ", ".join(f"{k} {v}" for k, v in sorted(conversations.unmerged_turns.items()))
+                line += f"; turn(s) left one row per turn: {why}"
+        if under_way.get(name):
+            line += (
+                f"{';' if conversations is not None else ''} {under_way[name]} done turn(s) "
+                "of conversations still under way, left for a later --incremental export"
+            )
+        err.print(line, highlight=False, soft_wrap=True)
 
 
 def _report_round_trips(result: ExportResult) -> None:

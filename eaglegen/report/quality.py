@@ -265,9 +265,7 @@ class Conversations:
 
     @classmethod
     def of(cls, f: ConversationFigures) -> Conversations:
-        where = Counter(
-            departure(ids, prompt, output)[0] for ids, prompt, output in f.departing
-        )
+        where = Counter(departure(ids, prompt, output)[0] for ids, prompt, output in f.departing)
         return cls(
             f.dataset, dict(f.states), tuple(f.by_turn), f.later_turns, f.extending, dict(where)
         )

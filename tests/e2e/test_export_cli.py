@@ -18,10 +18,12 @@ from core.urls import redact
 from eaglegen.assets import TOKENIZER_DIR
 from models.repository import Repository
 from tests.e2e.test_cli import eaglegen, service_env
-from tests.helpers import libpq_url
+from tests.helpers import enqueue_file, libpq_url, write_jsonl
 from tests.integration.test_export import export as export_pass
 from tests.integration.test_export import recorded_run
 from tests.integration.test_export_conversations import record_rows
+from tests.integration.test_export_turns import ROWS as TURN_ROWS
+from tests.integration.test_export_turns import TOOL_ROW, Answering
 from tests.outage import PATIENCE_S, holds_lock, lock_waiter, outage, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -274,4 +276,49 @@ def test_each_layout_prints_how_to_load_it_and_writes_it_beside_the_manifest(
     )  # fmt: skip
     assert refused.returncode == 2
     assert "vLLM /render server" in one_line_error(refused.stderr)
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_merge_turns_merges_ended_conversations_and_adds_the_others_later(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    rows = write_jsonl(tmp_path / "chats.jsonl", [*TURN_ROWS, TOOL_ROW])
+    enqueue_file(settings, rows, tokenizer=TOKENIZER_DIR, max_new_tokens=400, turns="all")
+    answering = Answering(repo, TOKENIZER_DIR, "kimi_k2")
+    answering.step()  # every conversation's first turn done, its second one queued
+    env = service_env(settings)
+    out = tmp_path / "out"
+    merge = ("--merge-turns", "--for", "specforge")
+    first = eaglegen("export", "run", str(out), *merge, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "exported 1 row(s) (train 1)" in first.stderr  # the plain job alone
+    assert (
+        "conversations d: 4 done turn(s) of conversations still under way, left for a later "
+        "--incremental export"
+    ) in first.stderr
+
+    answering.run()
+    second = eaglegen("export", "run", str(out), *merge, "--incremental", "--json", env=env)
+    assert second.returncode == 0, second.stderr
+    document = json.loads(second.stdout)
+    assert document["rows"] == 4 and document["total_rows"] == 5
+    conversations = document["counts"]["d"]["conversations"]
+    assert (conversations["read"], conversations["merged"], conversations["merged_turns"]) == (
+        4,
+        4,
+        10,
+    )
+    lines = (out / "train" / "train.jsonl").read_text().splitlines()
+    ids = [json.loads(line)["id"] for line in lines]
+    assert len(ids) == 5 and sum("_turn0-" in i for i in ids) == 4
+
+    again = eaglegen("export", "run", str(out), "--for", "specforge", "--incremental", env=env)
+    assert again.returncode == 2
+    assert "--merge-turns was True, now False" in one_line_error(again.stderr)
+    conversations_too = eaglegen(
+        "export", "run", str(tmp_path / "x"), "--merge-turns", "--format", "conversations",
+        env=env,
+    )  # fmt: skip
+    assert conversations_too.returncode == 2
+    assert "--merge-turns merges token rows" in one_line_error(conversations_too.stderr)
     assert not (tmp_path / "x").exists()

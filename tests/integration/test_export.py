@@ -67,8 +67,9 @@ def assert_rows_are_the_database(repo: InspectRepository, rows: list[dict[str, A
     """Each row's ids are the job's prompt ids then its output ids, exactly, and its mask
     turns from 0 to 1 where the output begins."""
     for row in rows:
-        job, gen = repo.job(row["id"]), repo.generation(row["id"])
+        job, gen = repo.job(row["job_id"]), repo.generation(row["job_id"])
         assert job is not None and gen is not None
+        assert row["id"] == str(job["id"])  # a plain job's row is named by its id
         assert row["input_ids"] == job["input_ids"] + gen["output_ids"]
         prompt_len = len(job["input_ids"])
         assert row["prompt_len"] == prompt_len
@@ -93,7 +94,7 @@ def test_the_tokens_export_is_the_database_exactly_and_loads_with_datasets(
     files = shard_files(manifest)
     assert len(files) > 1 and manifest == result.manifest
     rows = parquet_rows(out, files)
-    assert sorted(r["id"] for r in rows) == repo.job_ids()
+    assert sorted(r["job_id"] for r in rows) == repo.job_ids()
     assert_rows_are_the_database(repo, rows)
     assert {r["finish_reason"] for r in rows} <= {"stop", "length"}
     for shard in manifest["shards"]:
@@ -141,7 +142,7 @@ def test_jsonl_and_save_to_disk_shards_load_with_datasets(
         shard = datasets.load_from_disk(str(hf_out / folder))
         assert {"input_ids", "loss_mask", "seq_len"} <= set(shard.column_names)
         arrow_rows += shard.to_list()
-    assert sorted(r["id"] for r in arrow_rows) == repo.job_ids()
+    assert sorted(r["job_id"] for r in arrow_rows) == repo.job_ids()
     assert_rows_are_the_database(repo, arrow_rows)
     assert not [p for p in hf_out.iterdir() if p.name.startswith(TMP_PREFIX)]
 
@@ -195,7 +196,7 @@ def test_filters_remove_rows_and_the_manifest_counts_what_each_removed(
         (4, 8, 4),
     ]
     for row in rows:  # the cut keeps the front of the database's ids
-        job, gen = repo.job(row["id"]), repo.generation(row["id"])
+        job, gen = repo.job(row["job_id"]), repo.generation(row["job_id"])
         assert job is not None and gen is not None
         assert row["input_ids"] == (job["input_ids"] + gen["output_ids"])[:8]
 
@@ -236,7 +237,7 @@ def test_an_incremental_export_adds_only_the_new_rows_and_keeps_old_shards_as_th
     assert shard_files(second)[: len(before)] == list(before) and new_files
     assert {f: (out / f).read_bytes() for f in before} == before
     new_ids = {r["id"] for r in parquet_rows(out, new_files)}
-    assert new_ids.isdisjoint(first_ids) and new_ids | first_ids == set(repo.job_ids())
+    assert new_ids.isdisjoint(first_ids) and new_ids | first_ids == set(map(str, repo.job_ids()))
     assert_rows_are_the_database(repo, parquet_rows(out, new_files))
     assert second["rows"] == 60 and second["counts"]["d"]["exported"] == 60
     assert [p["rows"] for p in second["passes"]] == [30, 30]

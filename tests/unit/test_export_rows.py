@@ -73,7 +73,7 @@ def test_the_arrow_batch_and_the_jsonl_row_hold_the_same_ids_and_mask() -> None:
     assert batch.column("seq_len").to_pylist() == [8, 4]
     assert batch.schema.field("input_ids").type == pa.list_(pa.int32())
     line = orjson.loads(jsonl_line(rows[1]))
-    assert (line["id"], line["primary_id"]) == (2, "d/3")
+    assert (line["id"], line["primary_id"]) == ("2", "d/3")
     assert (line["input_ids"], line["loss_mask"]) == ([5, 6, 7, 8], [0, 1, 1, 1])
     assert line["metadata"]["finish_reason"] == "stop"
 
@@ -150,20 +150,28 @@ def test_the_tally_counts_per_dataset_and_survives_the_manifest() -> None:
     assert again.document()["b"]["removed"][NO_LOSS] == 2
 
 
-def test_an_incremental_export_refuses_other_options_naming_the_flag() -> None:
-    run = ExportRun(1, "r", "m", "/tok", "a" * 64, "b" * 64, {}, None, {"d": {}})
-    first = Options("parquet", Filters(max_len=512))
-    previous = Previous(
+RUN = ExportRun(1, "r", "m", "/tok", "a" * 64, "b" * 64, {}, None, {"d": {}})
+
+
+def previous_export(options: Options) -> Previous:
+    """What a folder exported from RUN with ``options`` holds."""
+    return Previous(
         document={
-            "format": "tokens",
+            "format": options.format,
             "run": {"name": "r", "tokenizer_sha256": "a" * 64},
-            "options": first.document(),
+            "options": options.document(),
         },
         shards=[],
         tally=Tally(),
         since=datetime(2026, 1, 1, tzinfo=UTC),
         seen={},
     )
+
+
+def test_an_incremental_export_refuses_other_options_naming_the_flag() -> None:
+    run = RUN
+    first = Options("parquet", Filters(max_len=512))
+    previous = previous_export(first)
     check_extends(previous, run, first)
     with pytest.raises(ValueError, match="--max-len was 512, now None"):
         check_extends(previous, run, Options("parquet"))

@@ -55,6 +55,7 @@ def test_status_reads_columns_of_the_schema() -> None:
         "jobs",
         "generations",
         "failed_attempts",
+        "conversations",
     }
     for read in tables:
         schema = Base.metadata.tables[read.name]
