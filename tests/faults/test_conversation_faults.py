@@ -1,5 +1,6 @@
 """On-policy conversations under faults (issue 30): worker processes killed with SIGKILL, the
-advancer's among them, and Redis flushed, while multi-turn rows are answered turn by turn.
+advancer's among them, Redis flushed and Postgres restarted, while multi-turn rows are
+answered turn by turn.
 Each turn's job must come into being exactly once, templated from the model's own answers."""
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ from transformers import AutoTokenizer
 from core import keys
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
+from eaglegen.sim import SimServer
+from models.db import upgrade
 from models.repository import Repository
 from models.schema import Conversation, Generation, Job
+from models.states import JobState
+from tests.faults.conftest import FleetFactory
 from tests.faults.harness import (
     Fleet,
+    PrivatePostgres,
     PrivateRedis,
     WorkerProcess,
+    fault_settings,
+    make_repo,
     report,
     running_on,
     state_counts,
@@ -35,6 +43,8 @@ from tests.integration.test_conversations import chat
 pytestmark = pytest.mark.faults
 
 ROWS = 60
+# How long Postgres stays down: the workers, the feeder and the advancer must ride it out.
+PG_DOWNTIME_S = 2.0
 # Answers are rarely cut at this length on the simulator: most conversations reach their
 # last turn, a few end truncated.
 MAX_NEW_TOKENS = 1024
@@ -110,6 +120,55 @@ def test_redis_flushed_mid_conversations_loses_and_duplicates_no_turn(
         **fleet.reconciler_totals(),
     )
     assert not fleet.crashed, f"{fleet.crashed} died of the flush\n{fleet.tails()}"
+
+
+def test_postgres_restarted_mid_conversations_loses_and_duplicates_no_turn(
+    private_postgres: PrivatePostgres,
+    private_redis: PrivateRedis,
+    sim: SimServer,
+    fleet_factory: FleetFactory,
+    tmp_path: Path,
+) -> None:
+    """Postgres stopped and started while turns wait for their next and turns run: every
+    connection is cut, the advancer's pass and the turns' records among them; the workers
+    reconnect, leases expire, and each turn's job still comes into being once."""
+    started = time.monotonic()
+    upgrade(private_postgres.url)
+    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path)
+    repo = make_repo(settings)
+    fleet = fleet_factory(settings, [f"sim={sim.url}"])
+    try:
+        points = _enqueue(settings, tmp_path)
+        fleet.start()
+        fleet.start()
+        done = int(0.3 * points)
+
+        def mid_run() -> list[int] | None:
+            running = repo.job_ids(state=JobState.RUNNING)
+            return running if _turns_wait(repo, done) and running else None
+
+        running = wait_for(
+            mid_run, 120, f"{done} done turns, one waiting, one running", fleet.tails
+        )
+        private_postgres.stop()
+        time.sleep(PG_DOWNTIME_S)
+        private_postgres.start()
+        _wait_conversations_settled(repo, fleet)
+        facts = _assert_every_turn_once_and_on_policy(repo, fleet)
+        assert all(w.running() for w in fleet.workers), fleet.tails()
+        outages = fleet.log_count("database unreachable")
+        assert outages, f"no worker noticed the outage: the test exercised nothing\n{fleet.tails()}"
+        report(
+            "conversations, postgres restarted",
+            running_at_stop=len(running),
+            outages_logged=outages,
+            tasks_failed_on_db=fleet.log_count("raised unexpected: OperationalError"),
+            seconds=round(time.monotonic() - started, 1),
+            **facts,
+            **fleet.reconciler_totals(),
+        )
+    finally:
+        repo.engine.dispose()
 
 
 def _enqueue(settings: Settings, tmp_path: Path) -> int:
