@@ -50,10 +50,7 @@ key is gone) and the figures are declared not valid.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -67,13 +64,10 @@ from sqlalchemy import text
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
 from bench.worker_stalls import _SPAN, SERVER, Reading, Sampler, sim_process
-from bench.worker_throughput import _stop, _wait_heartbeat
+from bench.worker_throughput import eaglegen_worker, enqueue
 from core.settings import Settings
-from eaglegen.assets import TOKENIZER_DIR
 from models.db import make_engine
 from models.repository import Repository
-from producer.commands import run_enqueue
-from producer.plan import DatasetPlan, RunPlan
 
 PG = "postgresql://postgres@127.0.0.1:5432/postgres"
 REDIS = "redis://127.0.0.1:6379/0"
@@ -111,11 +105,11 @@ class Plan:
         return [self.knee // 2, self.knee, 2 * self.knee, 4 * self.knee]
 
 
-# max_new_tokens 4,096: the Kimi presets' answers (3,000 tokens on average) fill the KV pool as
-# in the real run, and `fast` reserves the whole max_new_tokens at admission. The prompts are
+# max_new_tokens 4,096: the Kimi presets' answers (their mean_output_tokens) fill the KV pool
+# as in the real run, and `fast` reserves the whole max_new_tokens at admission. The prompts are
 # tens of tokens, not sim_curve's 1,000, so a knee may sit a level to the right of the one
 # given here: the sweep shows where. Jobs and time scale make each run a few minutes of wall
-# time and the whole bench about 45 minutes (BENCHMARKS.md has the figures).
+# time and the whole bench under an hour (BENCHMARKS.md has the figures).
 PLANS: dict[str, Plan] = {
     "fast": Plan(knee=32, jobs=3000, max_new_tokens=4096, time_scale=0.5),
     "kimi-k2": Plan(knee=64, jobs=650, max_new_tokens=4096, time_scale=0.1),
@@ -187,39 +181,13 @@ def worker_process(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`eaglegen worker` with default settings but the services and the simulator; with a
     ``level``, adaptive concurrency off and the server's ``max_inflight`` at it."""
-    assert settings.database_url and settings.broker_url
     server: dict[str, object] = {"name": SERVER, "url": sim_url}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
-    env |= {
-        "COLUMNS": "200",
-        "EAGLEGEN_DATABASE_URL": settings.database_url,
-        "EAGLEGEN_BROKER_URL": settings.broker_url,
-        "EAGLEGEN_QUEUE": settings.queue,
-        "EAGLEGEN_DATA_DIR": str(log.parent),
-    }
+    env = {}
     if level is not None:
         server["max_inflight"] = level
         env["EAGLEGEN_ADAPTIVE_CONCURRENCY"] = "false"
-    env["EAGLEGEN_SERVERS"] = json.dumps([server])
-    command = [sys.executable, "-m", "eaglegen", "worker"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            _wait_heartbeat(settings.broker_url, process)
-            yield process
-        finally:
-            _stop(process)
-
-
-def enqueue(settings: Settings, path: Path, run: str, max_new_tokens: int) -> None:
-    """Enqueue every prompt of ``path`` as run ``run``, in the same order every time."""
-    plan = RunPlan(
-        run=run,
-        tokenizer=TOKENIZER_DIR,
-        datasets=[DatasetPlan("d", path, sampling={"max_new_tokens": max_new_tokens})],
-        order_seed=ORDER_SEED,
-    )
-    run_enqueue(settings, settings.services(), plan, quiet=True)
+    with eaglegen_worker(settings, [server], log, env) as process:
+        yield process
 
 
 def one_run(
@@ -253,7 +221,7 @@ def one_run(
             worker_process(settings, url, level, worker_log) as worker,
             Sampler(url, settings.broker_url, [worker.pid], SAMPLE_S) as sampler,
         ):
-            enqueue(settings, prompts, run, plan.max_new_tokens)
+            enqueue(settings, prompts, run, plan.max_new_tokens, ORDER_SEED)
             deadline = time.monotonic() + args.timeout_s
             finished = False
             while time.monotonic() < deadline:

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -45,7 +43,7 @@ from sqlalchemy import text
 
 from bench.common import WORDS, scratch_database, scratch_redis
 from bench.worker_stalls import _SPAN, sim_process
-from bench.worker_throughput import _stop, _wait_heartbeat, enqueue
+from bench.worker_throughput import eaglegen_worker, enqueue
 from core.settings import Settings
 from models.db import make_engine
 from models.repository import Repository
@@ -107,27 +105,10 @@ def worker_process(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`eaglegen worker` with default settings but the services, the two servers and turn
     affinity on or off."""
-    assert settings.database_url and settings.broker_url
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
-    env |= {
-        "COLUMNS": "200",
-        "EAGLEGEN_DATABASE_URL": settings.database_url,
-        "EAGLEGEN_BROKER_URL": settings.broker_url,
-        "EAGLEGEN_QUEUE": settings.queue,
-        "EAGLEGEN_SERVERS": json.dumps(
-            [{"name": f"sim{i}", "url": url} for i, url in enumerate(urls)]
-        ),
-        "EAGLEGEN_DATA_DIR": str(log.parent),
-        "EAGLEGEN_TURN_AFFINITY": "true" if affinity else "false",
-    }
-    command = [sys.executable, "-m", "eaglegen", "worker"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            _wait_heartbeat(settings.broker_url, process)
-            yield process
-        finally:
-            _stop(process)
+    servers = [{"name": f"sim{i}", "url": url} for i, url in enumerate(urls)]
+    env = {"EAGLEGEN_TURN_AFFINITY": "true" if affinity else "false"}
+    with eaglegen_worker(settings, servers, log, env) as process:
+        yield process
 
 
 def one_run(

@@ -35,7 +35,6 @@ messages, and the round waits for the reconciler (give this one a Redis of its o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -51,7 +50,7 @@ from sqlalchemy import Engine, select
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
 from bench.procs import eaglegen_command
-from bench.worker_throughput import _announced_url, _stop, _wait_heartbeat, cpu_seconds
+from bench.worker_throughput import _announced_url, _stop, cpu_seconds, eaglegen_worker
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
 from models.db import make_engine
@@ -119,26 +118,9 @@ def worker_process(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`eaglegen worker` with its default settings, the simulator as its one server, held
     at ``in_flight`` requests (the server's `max_inflight`, as a user sets it)."""
-    assert settings.database_url and settings.broker_url
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
-    env |= {
-        "EAGLEGEN_DATABASE_URL": settings.database_url,
-        "EAGLEGEN_BROKER_URL": settings.broker_url,
-        "EAGLEGEN_QUEUE": settings.queue,
-        "EAGLEGEN_SERVERS": json.dumps(
-            [{"name": "sim", "url": sim_url, "max_inflight": in_flight}]
-        ),
-        "EAGLEGEN_DATA_DIR": str(log.parent),
-    }
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [*eaglegen_command(), "worker"], env=env, stdout=out, stderr=subprocess.STDOUT
-        )
-        try:
-            _wait_heartbeat(settings.broker_url, process)
-            yield process
-        finally:
-            _stop(process)
+    servers = [{"name": "sim", "url": sim_url, "max_inflight": in_flight}]
+    with eaglegen_worker(settings, servers, log) as process:
+        yield process
 
 
 def enqueue(

@@ -61,7 +61,13 @@ import redis
 from sqlalchemy import text
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
-from bench.worker_throughput import _announced_url, _stop, _wait_heartbeat, cpu_seconds, enqueue
+from bench.worker_throughput import (
+    _announced_url,
+    _stop,
+    cpu_seconds,
+    eaglegen_worker,
+    enqueue,
+)
 from core import keys
 from core.settings import Settings
 from eaglegen.sim.metrics import parse
@@ -251,30 +257,13 @@ def worker_process(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`eaglegen worker` with default settings but the services, the simulator and (for
     ``fixed``) adaptive concurrency off; ``--concurrency`` unless ``threads`` is default."""
-    assert settings.database_url and settings.broker_url
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
-    env |= {
-        "COLUMNS": "200",
-        "EAGLEGEN_DATABASE_URL": settings.database_url,
-        "EAGLEGEN_BROKER_URL": settings.broker_url,
-        "EAGLEGEN_QUEUE": settings.queue,
-        "EAGLEGEN_SERVERS": json.dumps([{"name": SERVER, "url": sim_url}]),
-        "EAGLEGEN_DATA_DIR": str(log.parent),
-        "EAGLEGEN_METRICS_PORT": str(metrics_port),
-    }
+    env = {"EAGLEGEN_METRICS_PORT": str(metrics_port)}
     if not adaptive:
         env["EAGLEGEN_ADAPTIVE_CONCURRENCY"] = "false"
-    env["PYTHONPATH"] = str(code.resolve())
-    command = [sys.executable, "-m", "eaglegen", "worker"]
-    if threads != "default":
-        command += ["--concurrency", threads]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=code)
-        try:
-            _wait_heartbeat(settings.broker_url, process)
-            yield process
-        finally:
-            _stop(process)
+    args = [] if threads == "default" else ["--concurrency", threads]
+    servers = [{"name": SERVER, "url": sim_url}]
+    with eaglegen_worker(settings, servers, log, env, args, code) as process:
+        yield process
 
 
 def attempts(metrics_port: int) -> dict[str, int]:

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,32 +189,57 @@ def _announced_url(process: subprocess.Popen[bytes], log: Path) -> str:
 
 
 @contextmanager
-def worker_process(
-    settings: Settings, sim_url: str, concurrency: int, log: Path, stream: bool = False
+def eaglegen_worker(
+    settings: Settings,
+    servers: list[dict[str, Any]],
+    log: Path,
+    env: dict[str, str] | None = None,
+    args: Sequence[str] = (),
+    code: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`eaglegen worker --concurrency N` with an in-flight limit of N on the simulator
-    (asking for streamed answers with ``stream``)."""
+    """`eaglegen worker ARGS` with no EAGLEGEN_ setting of this process's, only the services,
+    ``servers`` (EAGLEGEN_SERVERS) and ``env``, logging to ``log``; from the checkout
+    ``code`` (default: this one); stopped (SIGTERM) when the block ends."""
     assert settings.database_url and settings.broker_url
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
-    env |= {
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("EAGLEGEN_")}
+    environ |= {
+        "COLUMNS": "200",
         "EAGLEGEN_DATABASE_URL": settings.database_url,
         "EAGLEGEN_BROKER_URL": settings.broker_url,
         "EAGLEGEN_QUEUE": settings.queue,
-        "EAGLEGEN_SERVERS": json.dumps([{"name": "sim", "url": sim_url}]),
-        "EAGLEGEN_SERVER_MAX_INFLIGHT": str(concurrency),
-        # The same concurrency as the bare client, held: this compares the pipeline's cost.
-        "EAGLEGEN_ADAPTIVE_CONCURRENCY": "false",
+        "EAGLEGEN_SERVERS": json.dumps(servers),
         "EAGLEGEN_DATA_DIR": str(log.parent),
-        "EAGLEGEN_STREAM": "true" if stream else "false",
+        **(env or {}),
     }
-    command = [sys.executable, "-m", "eaglegen", "worker", "--concurrency", str(concurrency)]
+    if code is not None:
+        environ["PYTHONPATH"] = str(code.resolve())
+    command = [sys.executable, "-m", "eaglegen", "worker", *args]
     with log.open("wb") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, env=environ, stdout=out, stderr=subprocess.STDOUT, cwd=code
+        )
         try:
             _wait_heartbeat(settings.broker_url, process)
             yield process
         finally:
             _stop(process)
+
+
+@contextmanager
+def worker_process(
+    settings: Settings, sim_url: str, concurrency: int, log: Path, stream: bool = False
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`eaglegen worker --concurrency N` with an in-flight limit of N on the simulator
+    (asking for streamed answers with ``stream``)."""
+    env = {
+        "EAGLEGEN_SERVER_MAX_INFLIGHT": str(concurrency),
+        # The same concurrency as the bare client, held: this compares the pipeline's cost.
+        "EAGLEGEN_ADAPTIVE_CONCURRENCY": "false",
+        "EAGLEGEN_STREAM": "true" if stream else "false",
+    }
+    servers = [{"name": "sim", "url": sim_url}]
+    with eaglegen_worker(settings, servers, log, env, ["--concurrency", str(concurrency)]) as w:
+        yield w
 
 
 def _wait_heartbeat(broker_url: str, process: subprocess.Popen[bytes]) -> None:
@@ -237,12 +262,20 @@ def _stop(process: subprocess.Popen[Any]) -> None:
         process.wait()
 
 
-def enqueue(settings: Settings, path: Path, run: str, max_new_tokens: int) -> None:
-    """Enqueue every prompt of ``path`` as run ``run``."""
+def enqueue(
+    settings: Settings,
+    path: Path,
+    run: str,
+    max_new_tokens: int,
+    order_seed: int | None = None,
+) -> None:
+    """Enqueue every prompt of ``path`` as run ``run`` (in the order ``order_seed`` gives,
+    the same every time; default: a new run draws one)."""
     plan = RunPlan(
         run=run,
         tokenizer=TOKENIZER_DIR,
         datasets=[DatasetPlan("d", path, sampling={"max_new_tokens": max_new_tokens})],
+        order_seed=order_seed,
     )
     run_enqueue(settings, settings.services(), plan, quiet=True)
 

@@ -81,7 +81,8 @@ def lease_engine(database_url: str) -> Engine:
 # controller, the publisher; Celery's are kombu's). Each call takes well under a
 # millisecond, so a few dozen serve hundreds of threads; a thread finding them all busy
 # waits for one, up to REDIS_WAIT_S. redis-py's default pool instead fails the 101st at
-# once (MaxConnectionsError), which stalled workers of 512 threads (issue 32).
+# once (MaxConnectionsError), which stalled workers of many threads (BENCHMARKS.md,
+# "Threads and the in-flight limit, end to end").
 REDIS_CONNECTIONS = 32
 REDIS_WAIT_S = 20.0
 

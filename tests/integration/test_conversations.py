@@ -407,7 +407,7 @@ CAPPED_SIM: dict[str, Any] = {**FAST, "decode_step_ms": 15.0}
 # Conversations a spent budget may cut halfway. Only those open when it ran out can be:
 # running (threads), published (window), or settled since the advancer's last pass, whose
 # next turn does not exist yet so the feeder begins others meanwhile (about two turns per
-# thread in a 1 s pass at this speed). Measured: 2 and 3 (with 5 ms steps, 5).
+# thread in a 1 s pass at this speed).
 CAPPED_CUT_BOUND = CAPPED_THREADS + CAPPED_WINDOW + 2 * CAPPED_THREADS
 # The control: each next turn queued behind the dataset's conversations not begun (its
 # first turn's key moved past every key, which are 60 bits), the opposite of the rule.

@@ -313,10 +313,13 @@ class Answering:
         self.advancer.advance()
         return len(queued)
 
-    def run(self) -> None:
-        """Until no turn is left to answer."""
-        while self.step():
-            pass
+    def run(self, most_turns: int = 10) -> None:
+        """Until no turn is left to answer; fails if turns still come after ``most_turns``
+        rounds (no row here has that many)."""
+        for _ in range(most_turns):
+            if not self.step():
+                return
+        raise AssertionError(f"turns still queued after {most_turns} rounds")
 
     def _answer(self, job_id: int, messages: list[dict[str, Any]], opens: bool) -> list[int]:
         w = self.written

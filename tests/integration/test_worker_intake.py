@@ -6,7 +6,6 @@ more than the limit."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from tests.integration.test_worker_processes import (
+    InFlightSampler,
     in_flight,
     live_pids,
     wait_for,
@@ -38,36 +38,6 @@ ROOMY = SimConfig(
 SLOW = SimConfig(seed=99, decode_step_ms=20.0, decode_ms_per_request=0.0)
 # EAGLEGEN_SERVER_MAX_INFLIGHT's default: where the controller starts.
 START_LIMIT = Settings.model_fields["server_max_inflight"].default
-
-
-class Peaks:
-    """The most requests in flight at the simulator and messages the worker holds unacked
-    (kombu's ``unacked`` hash), read on a thread until the block ends."""
-
-    def __init__(self, sim_url: str, broker_url: str) -> None:
-        self.server = 0
-        self.held = 0
-        self.readings = 0
-        self._sim = httpx.Client(base_url=sim_url, timeout=5)
-        self._redis = redis.Redis.from_url(broker_url)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Peaks:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self._sim.close()
-        self._redis.close()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.01):
-            self.server = max(self.server, in_flight(self._sim.get("/metrics").text))
-            self.held = max(self.held, int(self._redis.hlen("unacked")))
-            self.readings += 1
 
 
 def server_in_flight(sim: SimServer) -> int:
@@ -123,15 +93,16 @@ def test_threads_beyond_the_limit_hold_no_message_the_server_has_no_room_for(
         log = tmp_path / "worker.log"
         with worker_process(env, log, "--concurrency", "256") as process:
             wait_for(lambda: process.pid in live_pids(settings), what="heartbeat", log=log)
-            with Peaks(sim.url, settings.broker_url) as peaks:
+            with InFlightSampler(sim.url, settings.broker_url, "sim") as peaks:
                 path = write_jsonl(tmp_path / "rows.jsonl", sample_rows(120))
                 enqueue_file(settings, path, max_new_tokens=24)
                 states = wait_settled(repo, timeout_s=120)
     assert states["done"] == 120, states
-    assert peaks.readings > 0
+    assert peaks.server_counts
     # The server never sees more than the limit, and reaches it.
-    assert peaks.server == limit
+    assert max(peaks.server_counts) == limit
     # The worker takes only what its server has room for and the spare: not a message per
     # thread, each waiting for a slot out of other workers' reach. (Redis may count one or
     # two more for a moment: a task's message is acked by the event loop after it ends.)
-    assert limit <= peaks.held < 2 * limit, (peaks.held, limit + spare(limit))
+    held = max(peaks.held_counts)
+    assert limit <= held < 2 * limit, (held, limit + spare(limit))

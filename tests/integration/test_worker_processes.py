@@ -106,11 +106,14 @@ def in_flight(metrics: str) -> int:
 
 
 class InFlightSampler:
-    """Samples requests in flight at the simulator (/metrics) and held slots (Redis)."""
+    """Samples requests in flight at the simulator (/metrics), held slots and the messages
+    the workers hold unacked (kombu's ``unacked`` hash) in Redis, on a thread until the
+    block ends."""
 
     def __init__(self, sim_url: str, broker_url: str, server: str) -> None:
         self.server_counts: list[int] = []
         self.slot_counts: list[int] = []
+        self.held_counts: list[int] = []
         self._stop = threading.Event()
         self._sim = httpx.Client(base_url=sim_url, timeout=5)
         self._redis = redis.Redis.from_url(broker_url)
@@ -131,6 +134,7 @@ class InFlightSampler:
         while not self._stop.wait(0.01):
             self.server_counts.append(in_flight(self._sim.get("/metrics").text))
             self.slot_counts.append(int(self._redis.zcard(self._key)))
+            self.held_counts.append(int(self._redis.hlen("unacked")))
 
 
 @pytest.mark.embedded
