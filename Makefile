@@ -72,6 +72,7 @@ format: install
 # prints its own ratios). bench.serving installs SGLang's bench_serving into its own venv.
 bench: install
 	$(BIN)/python -m bench.token_storage
+	$(BIN)/python -m bench.samples_storage
 	$(BIN)/python -m bench.enqueue stages --prompts 100000
 	$(BIN)/python -m bench.enqueue rate --prompts 200000
 	$(BIN)/python -m bench.enqueue rss --sizes 100000 1000000

@@ -446,7 +446,9 @@ def pipeline_round(bench: Bench, name: str) -> tuple[int, int, float]:
             .join(Run, Run.id == Dataset.run_id)
             .where(Run.name == name)
         )
-        same = collections.Counter(map(tuple, ids)) == collections.Counter(map(tuple, bench.inputs))
+        same = collections.Counter(tuple(i or ()) for i in ids) == collections.Counter(
+            map(tuple, bench.inputs)
+        )
     expected = len(bench.inputs)
     assert same, f"{name}: the jobs' input_ids are not bench_serving's prompts"
     assert n == expected, f"{name}: {n} of {expected} generations ({counts.states})"

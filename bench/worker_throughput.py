@@ -284,7 +284,8 @@ def take_prompts(repo: Repository) -> tuple[list[list[int]], dict[str, Any]]:
     """The input_ids of every job (of the one run enqueued so far) and their sampling params,
     then that run deleted, so that no reconciler ever publishes it to the worker."""
     with repo.engine.begin() as conn:
-        prompts = list(conn.scalars(select(Job.input_ids).order_by(Job.id)))
+        # Single-sample datasets: every job holds its own ids.
+        prompts = [list(ids or ()) for ids in conn.scalars(select(Job.input_ids).order_by(Job.id))]
         params = conn.scalar(select(Dataset.sampling_params).limit(1))
         conn.execute(text("DELETE FROM runs"))
     return prompts, dict(params or {})

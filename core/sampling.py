@@ -50,7 +50,10 @@ PARAMS: tuple[Param, ...] = (
         "n",
         (int,),
         settable=False,
-        refusal="one job is one sample: enqueue the dataset again under another run instead",
+        refusal=(
+            "one job is one sample: set `samples = k` on the dataset (--samples k) for k "
+            "samples of each prompt, each a job with its own sampling_seed"
+        ),
     ),
 )
 BY_NAME = {p.name: p for p in PARAMS}

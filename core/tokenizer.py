@@ -23,6 +23,7 @@ is loaded: it is heavy.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -164,6 +165,15 @@ class RunTokenizer:
         self.decode: Decode = exact_decoder(self.tokenizer)
         self._blank: dict[int, bool] = {}
         self._markers: dict[frozenset[int], Markers] = {}
+
+    def with_template_kwargs(self, extra: Mapping[str, Any]) -> RunTokenizer:
+        """The same tokenizer rendering with ``extra`` template kwargs over its own (a
+        variant's, core.samples): a shallow copy sharing the loaded tokenizer."""
+        if not extra:
+            return self
+        other = copy.copy(self)
+        other.template_kwargs = {**self.template_kwargs, **extra}
+        return other
 
     # --- rendering and encoding ---------------------------------------------------------
 

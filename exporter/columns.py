@@ -40,6 +40,8 @@ SCHEMA = pa.schema(
         pa.field("conversation_id", pa.int64()),
         pa.field("turn", pa.int32()),
         pa.field("turns", pa.int32(), nullable=False),
+        pa.field("sample", pa.int32(), nullable=False),
+        pa.field("variant", pa.string()),
     ]
 )
 # The metadata of a JSON Lines row (its other keys are the ones trainers read).
@@ -58,6 +60,8 @@ _METADATA = (
     "conversation_id",
     "turn",
     "turns",
+    "sample",
+    "variant",
 )
 
 

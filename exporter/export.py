@@ -316,7 +316,8 @@ def _export_whole(
     dataset = conversation.dataset
     for reason, turns in outcome.removed:
         tally.removed(dataset, reason, turns)
-    split = split_of(conversation_key(conversation.id), options.seed, options.val_fraction)
+    key = split_key(conversation.turns[0].generation) if conversation.turns else None
+    split = split_of(key or conversation_key(conversation.id), options.seed, options.val_fraction)
     for written in outcome.rows:
         writers[split].add(written.row)
         tally.exported(dataset, split, cut=written.cut, length=written.length, turns=written.turns)

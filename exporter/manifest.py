@@ -33,11 +33,11 @@ from exporter.writers import Shard
 from models.records import ExportCursor, ExportRun
 
 FORMATS = (TOKENS, CONVERSATIONS)
-# 3: a token row's id is a string (a conversation's turn is "<conversation>_turn<t>"), and
-# conversations are exported by conversation; 2: each split in a folder of its own (1 put
-# the shards beside the manifest). Rows of two versions in one folder would not load as one
-# data set (an id column of two types).
-VERSION = 3
+# 4: rows carry their prompt's sample and variant (core.samples); 3: a token row's id is a
+# string (a conversation's turn is "<conversation>_turn<t>"), and conversations are exported
+# by conversation; 2: each split in a folder of its own (1 put the shards beside the
+# manifest). Rows of two versions in one folder would not load as one data set.
+VERSION = 4
 # The options an incremental export must share with the export it extends, by the flag
 # that sets each: rows of two settings in one folder would be one data set of neither.
 FLAGS = {
@@ -46,6 +46,7 @@ FLAGS = {
     "datasets": "--datasets",
     "exclude_truncated": "--exclude-truncated",
     "min_completion_tokens": "--min-completion-tokens",
+    "samples_per_prompt": "--samples-per-prompt",
     "max_len": "--max-len",
     "only_valid": "--only-valid",
     "require_exact": "--require-exact",
@@ -92,6 +93,7 @@ class Options:
             "datasets": None if datasets is None else sorted(datasets),
             "exclude_truncated": self.filters.exclude_truncated,
             "min_completion_tokens": self.filters.min_completion_tokens,
+            "samples_per_prompt": self.filters.samples_per_prompt,
             "max_len": self.filters.max_len,
             "only_valid": self.filters.only_valid,
             "require_exact": self.filters.require_exact,
@@ -232,6 +234,7 @@ def check_extends(previous: Previous, run: ExportRun, options: Options) -> None:
 
 
 _OFF: dict[str, Any] = {
+    "samples_per_prompt": None,
     "only_valid": False,
     "require_exact": False,
     "merge_turns": False,
@@ -240,7 +243,10 @@ _OFF: dict[str, Any] = {
 _COLUMNS = {
     TOKENS: {
         "id": "the job id; a conversation's turn: <conversation>_turn<t>; its turns 0 to t "
-        "merged (--merge-turns): <conversation>_turn0-<t>",
+        "merged (--merge-turns): <conversation>_turn0-<t>; in a dataset of several samples "
+        "or variants, the job (conversation) is <prompt>_gen<k>: its sample 0's id and k",
+        "sample": "which of its prompt's samples the row is (0 unless the dataset has several)",
+        "variant": "the sampling variant it was generated with (null: the dataset's sampling)",
         "input_ids": "prompt ids then output ids, as generated (cut to max_len if set); a "
         "merged row: its last turn's",
         "loss_mask": "0 over the prompt, 1 over every generated token, stop token included; a "

@@ -26,21 +26,31 @@ SHORT = "min_completion_tokens"
 INVALID = "only_valid"
 NO_LOSS = "max_len"
 NOT_EXACT = "require_exact"  # conversations only: applied after the round trip
-REMOVALS = (TRUNCATED, SHORT, INVALID, NO_LOSS, NOT_EXACT)
+EXTRA_SAMPLE = "samples_per_prompt"
+REMOVALS = (TRUNCATED, SHORT, INVALID, NO_LOSS, NOT_EXACT, EXTRA_SAMPLE)
+
+
+def stem(gen: ExportedGeneration) -> str:
+    """What ``gen``'s row ids begin with: its job, or its conversation; in a dataset of
+    several samples or variants, its prompt's (its sample 0's) and its sample's:
+    ``<prompt>_gen<k>``."""
+    if gen.sampled:
+        return f"{gen.first}_gen{gen.sample}"
+    return str(gen.job_id if gen.conversation_id is None else gen.conversation_id)
 
 
 def row_id(gen: ExportedGeneration) -> str:
     """The id of ``gen``'s own row: its job's, or its conversation's and turn's."""
     if gen.conversation_id is None:
-        return str(gen.job_id)
-    return f"{gen.conversation_id}_turn{gen.turn}"
+        return stem(gen)
+    return f"{stem(gen)}_turn{gen.turn}"
 
 
-def merged_id(conversation_id: int, last_turn: int) -> str:
-    """The id of the row holding a conversation's turns 0 to ``last_turn``."""
-    if last_turn == 0:
-        return f"{conversation_id}_turn0"
-    return f"{conversation_id}_turn0-{last_turn}"
+def merged_id(last: ExportedGeneration) -> str:
+    """The id of the row holding a conversation's turns 0 to ``last``'s."""
+    if last.turn == 0:
+        return f"{stem(last)}_turn0"
+    return f"{stem(last)}_turn0-{last.turn}"
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,9 @@ class TokenRow:
     answer_tokens: int | None
     cut: bool = False
     conversation_id: int | None = None
+    # Its prompt's sample and variant (core.samples).
+    sample: int = 0
+    variant: str | None = None
     turn: int | None = None  # a merged row: its last turn
     turns: int = 1  # the turns whose output the row trains
     spans: tuple[Span, ...] = ()
@@ -105,8 +118,14 @@ class Filters:
     max_len: int | None = None
     only_valid: bool = False
     require_exact: bool = False
+    # Keep samples 0 to N - 1 of each prompt (core.samples); None: every one.
+    samples_per_prompt: int | None = None
 
     def __post_init__(self) -> None:
+        if self.samples_per_prompt is not None and self.samples_per_prompt < 1:
+            raise ValueError(
+                f"--samples-per-prompt must be 1 or more, not {self.samples_per_prompt}"
+            )
         if self.min_completion_tokens < 0:
             raise ValueError(
                 f"--min-completion-tokens must be 0 or more, not {self.min_completion_tokens}"
@@ -144,6 +163,8 @@ def token_row(gen: ExportedGeneration, max_len: int | None = None) -> TokenRow:
         answer_tokens=gen.answer_tokens,
         cut=cut,
         conversation_id=gen.conversation_id,
+        sample=gen.sample,
+        variant=gen.variant,
         turn=gen.turn,
     )
 
@@ -160,7 +181,7 @@ def merged_row(
     assert last.conversation_id is not None and last.turn is not None, "a conversation's turns"
     packed, cut = _cut(last.prompt_packed + last.output_packed, max_len)
     return TokenRow(
-        id=merged_id(last.conversation_id, last.turn),
+        id=merged_id(last),
         job_id=last.job_id,
         dataset=last.dataset,
         row_index=last.row_index,
@@ -176,6 +197,8 @@ def merged_row(
         answer_tokens=_sum(t.answer_tokens for t in turns),
         cut=cut,
         conversation_id=last.conversation_id,
+        sample=last.sample,
+        variant=last.variant,
         turn=last.turn,
         turns=len(turns),
         spans=tuple(spans),
@@ -200,6 +223,8 @@ def removal(
     ``valid`` answers whether every invariant held (``core.anatomy.valid``); it is asked only
     under ``--only-valid``, since answering reads the tokenizer.
     """
+    if filters.samples_per_prompt is not None and gen.sample >= filters.samples_per_prompt:
+        return EXTRA_SAMPLE
     if filters.exclude_truncated and gen.finish_type == "length":
         return TRUNCATED
     if gen.completion_tokens < filters.min_completion_tokens:

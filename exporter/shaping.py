@@ -97,7 +97,7 @@ class ConversationShaper:
             assert gen.turn is not None
             extra = _conversation_metadata(whole, items, [turns[i] for i in kept])
             first_prompt = len(items[0].generation.prompt_packed) // ID_BYTES
-            name = merged_id(whole.id, gen.turn)
+            name = merged_id(gen)
             row = self._row(items[-1], turns[kept[-1]], name, first_prompt, extra)
             self._written(outcome, gen, row, len(kept))
         for apart in decided.apart:
@@ -211,6 +211,8 @@ def _metadata(
         "dataset": gen.dataset,
         "row_index": gen.row_index,
         "job_id": gen.job_id,
+        "sample": gen.sample,
+        "variant": gen.variant,
         "finish_reason": gen.finish_type,
         "prompt_len": prompt_len,
         "completion_tokens": gen.completion_tokens,

@@ -4,6 +4,8 @@ same run with the same seed (or an incremental one) puts every row where it was.
 A plain job's key is its id. Every row of a conversation (each turn's, or its merged or
 whole row) is keyed by the conversation, so no conversation has rows in both splits: a
 validation row whose earlier turns were trained on would measure memory, not drafting.
+Samples of one prompt (core.samples) are keyed by their sample 0's job or conversation, so
+no prompt has samples in both splits either.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def check_fraction(val_fraction: float) -> float:
 
 
 def split_key(gen: ExportedGeneration) -> int | str:
-    """What decides ``gen``'s split: its job id, or its conversation."""
-    return gen.job_id if gen.conversation_id is None else conversation_key(gen.conversation_id)
+    """What decides ``gen``'s split: its job id, or its conversation (its sample 0's)."""
+    first = gen.first or (gen.job_id if gen.conversation_id is None else gen.conversation_id)
+    return first if gen.conversation_id is None else conversation_key(first)
 
 
 def conversation_key(conversation_id: int) -> str:

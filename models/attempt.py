@@ -16,6 +16,7 @@ from psycopg import Cursor
 from psycopg.types.json import Jsonb
 from sqlalchemy import Engine
 
+from core.samples import request_params, variants_of
 from models.counters import moved_sql, recorded_sql
 from models.db import driver_cursor
 from models.ledger import (
@@ -41,8 +42,11 @@ UPDATE jobs SET state = 'running', attempts = jobs.attempts + 1, worker = %(work
 FROM datasets, runs
 WHERE jobs.id = %(job)s AND jobs.state = 'queued'
   AND datasets.id = jobs.dataset_id AND runs.id = datasets.run_id
-RETURNING jobs.id, jobs.dataset_id, jobs.input_ids, jobs.prompt_tokens, jobs.attempts,
-          jobs.opens_reasoning, datasets.sampling_params, datasets.budget_basis,
+RETURNING jobs.id, jobs.dataset_id,
+          COALESCE(jobs.input_ids, (SELECT h.input_ids FROM jobs h WHERE h.id = jobs.prompt_of))
+              AS input_ids,
+          jobs.prompt_tokens, jobs.attempts, jobs.variant, jobs.sampling_seed,
+          jobs.opens_reasoning, datasets.sampling_params, datasets.variants, datasets.budget_basis,
           datasets.reserve, datasets.observed_reserve_tokens,
           datasets.name AS dataset, runs.name AS run, runs.think_end_id, runs.vocab_size,
           runs.model_name, runs.tokenizer_path
@@ -165,7 +169,9 @@ def _claim(cursor: Cursor[Any], job_id: int, worker: str, lease_seconds: int) ->
     job = cursor.execute(_TAKE, taken).fetchone()
     if job is None:
         raise Rollback("not_queued")
-    params = dict(job.sampling_params or {})
+    params = request_params(
+        job.sampling_params or {}, variants_of(job.variants), job.variant, job.sampling_seed
+    )
     max_new = int(params.get("max_new_tokens", 0))
     # The estimate was read with the dataset row, unlocked: one refreshed meanwhile only
     # changes what this job holds, which the job records and its settle gives back exactly.

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from core.samples import variant_named, variants_of, with_variant
 from models.counters import moved
 from models.order import sort_key
 from models.records import NewConversation, turn_sha256
@@ -43,7 +44,9 @@ class WaitingConversation:
     turns: int
     max_new_tokens: int
     max_context_len: int | None
-    sampling_params: dict[str, Any]  # its dataset's, stop ids among them
+    sampling_params: dict[str, Any]  # its dataset's and its variant's, stop ids among them
+    # Its variant's chat-template kwargs, laid over the run's (core.samples).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,9 @@ class ConversationQueries:
                             "digest": digest,
                             "source": json.loads(row.source),
                             "points": row.points,
+                            "sample": row.sample,
+                            "variant": row.variant,
+                            "sampling_seed": row.sampling_seed,
                         }
                         for digest, row in by_digest.items()
                     ]
@@ -135,10 +141,13 @@ class ConversationQueries:
             ).all()
             if not created:
                 return []
+            _link_first_samples(conn, dataset_id, created, by_digest)
             jobs = []
             for conversation_id, digest in created:
                 row = by_digest[bytes(digest)]
                 sha = turn_sha256(bytes(digest), 0)
+                # Every sample of a row takes its sample 0's place in the order.
+                key = sort_key(seed, turn_sha256(row.row_digest, 0))
                 jobs.append(
                     {
                         "dataset_id": dataset_id,
@@ -148,9 +157,12 @@ class ConversationQueries:
                         "prompt_tokens": row.prompt_tokens,
                         "messages": json.loads(row.messages),
                         "opens_reasoning": row.opens_reasoning,
-                        "sort_key": sort_key(seed, sha),
+                        "sort_key": key,
                         "conversation_id": conversation_id,
                         "turn": 0,
+                        "sample": row.sample,
+                        "variant": row.variant,
+                        "sampling_seed": row.sampling_seed,
                     }
                 )
             conn.execute(pg_insert(Job), jobs)
@@ -182,7 +194,9 @@ class ConversationQueries:
                 Conversation.source,
                 Conversation.points,
                 Conversation.turns,
+                Conversation.variant,
                 Dataset.sampling_params,
+                Dataset.variants,
                 Run.max_context_len,
             )
             .join(Dataset, Dataset.id == Conversation.dataset_id)
@@ -192,20 +206,7 @@ class ConversationQueries:
             .limit(limit)
         )
         with self.engine.connect() as conn:
-            return [
-                WaitingConversation(
-                    id=int(r.id),
-                    dataset_id=int(r.dataset_id),
-                    run_id=int(r.run_id),
-                    source=r.source,
-                    points=int(r.points),
-                    turns=int(r.turns),
-                    max_new_tokens=int((r.sampling_params or {}).get("max_new_tokens", 0)),
-                    max_context_len=r.max_context_len,
-                    sampling_params=dict(r.sampling_params or {}),
-                )
-                for r in conn.execute(stmt)
-            ]
+            return [_waiting(r) for r in conn.execute(stmt)]
 
     def run_tokenization(self, run_id: int) -> RunTokenization:
         """What the run recorded of its tokenizer and template."""
@@ -273,7 +274,14 @@ class ConversationQueries:
         queue and settled again meanwhile (a failed turn retried and done)."""
         with self.engine.begin() as conn:
             locked = conn.execute(
-                select(Conversation.dataset_id, Conversation.row_index, Conversation.digest)
+                select(
+                    Conversation.dataset_id,
+                    Conversation.row_index,
+                    Conversation.digest,
+                    Conversation.sample,
+                    Conversation.variant,
+                    Conversation.sampling_seed,
+                )
                 .where(
                     Conversation.id == conversation_id,
                     Conversation.state == WAITING,
@@ -344,6 +352,49 @@ class ConversationQueries:
         }
 
 
+def _waiting(r: Any) -> WaitingConversation:
+    """A waiting conversation as read, its variant's sampling and kwargs applied."""
+    variant = variant_named(variants_of(r.variants), r.variant)
+    params = with_variant(r.sampling_params or {}, variant)
+    return WaitingConversation(
+        id=int(r.id),
+        dataset_id=int(r.dataset_id),
+        run_id=int(r.run_id),
+        source=r.source,
+        points=int(r.points),
+        turns=int(r.turns),
+        max_new_tokens=int(params.get("max_new_tokens", 0)),
+        max_context_len=r.max_context_len,
+        sampling_params=params,
+        template_kwargs=dict(variant.template) if variant is not None else {},
+    )
+
+
+def _link_first_samples(
+    conn: Connection, dataset_id: int, created: Sequence[Any], rows: dict[bytes, NewConversation]
+) -> None:
+    """Point each new conversation of a sample above 0 at its row's sample 0."""
+    later = [(int(i), rows[bytes(d)]) for i, d in created if rows[bytes(d)].sample > 0]
+    if not later:
+        return
+    firsts = dict(
+        conn.execute(
+            select(Conversation.digest, Conversation.id).where(
+                Conversation.dataset_id == dataset_id,
+                Conversation.digest.in_({row.row_digest for _, row in later}),
+            )
+        ).all()
+    )
+    for conversation_id, row in later:
+        first = firsts.get(row.row_digest)
+        if first is not None:
+            conn.execute(
+                update(Conversation)
+                .where(Conversation.id == conversation_id)
+                .values(first_sample=first)
+            )
+
+
 def dataset_order_seed(conn: Connection, dataset_id: int) -> int:
     """The publishing order's seed (models.order) of the dataset's run."""
     return int(
@@ -378,6 +429,9 @@ def _insert_turn(
             sort_key=int(first_key or 0),
             conversation_id=conversation_id,
             turn=turn,
+            sample=conversation.sample,
+            variant=conversation.variant,
+            sampling_seed=conversation.sampling_seed,
         )
         .returning(Job.id)
     )

@@ -31,6 +31,7 @@ from sqlalchemy import (
     type_coerce,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.orm import aliased
 
 from models.conversations import DONE, ENDED
 from models.records import ExportCursor, ExportedGeneration, ExportRun
@@ -45,6 +46,8 @@ FINAL = (DONE, ENDED)
 # still cross in few round trips.
 _YIELD_ROWS = 256
 _T = TypeVar("_T")
+# The job holding a sample's prompt ids and messages when it holds none (jobs.prompt_of).
+_Holder = aliased(Job, name="holder")
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,9 @@ def _done(run_id: int, datasets: Sequence[str] | None) -> Select[*tuple[Any, ...
             Generation.job_id,
             Dataset.name.label("dataset"),
             Job.row_index,
-            type_coerce(Job.input_ids, LargeBinary).label("prompt_packed"),
+            type_coerce(func.coalesce(Job.input_ids, _Holder.input_ids), LargeBinary).label(
+                "prompt_packed"
+            ),
             type_coerce(Generation.output_ids, LargeBinary).label("output_packed"),
             Generation.finish_type,
             Generation.completion_tokens,
@@ -238,9 +243,18 @@ def _done(run_id: int, datasets: Sequence[str] | None) -> Select[*tuple[Any, ...
             Generation.created_at,
             Job.conversation_id,
             Job.turn,
+            Job.sample,
+            Job.variant,
+            func.coalesce(Job.prompt_job, Job.id).label("first_job"),
+            func.coalesce(Conversation.first_sample, Conversation.id).label("first_conversation"),
+            ((Dataset.samples > 1) | (func.jsonb_array_length(Dataset.variants) > 0)).label(
+                "sampled"
+            ),
         )
         .join(Job, Job.id == Generation.job_id)
         .join(Dataset, Dataset.id == Job.dataset_id)
+        .outerjoin(_Holder, _Holder.id == Job.prompt_of)
+        .outerjoin(Conversation, Conversation.id == Job.conversation_id)
         .where(Dataset.run_id == run_id, Job.state == JobState.DONE.value)
     )
     if datasets is not None:
@@ -279,7 +293,6 @@ def _turns(
             Conversation.ended_reason,
             Conversation.updated_at.label("conversation_at"),
         )
-        .join(Conversation, Conversation.id == Job.conversation_id)
         .where(Conversation.state.in_(FINAL))
         .order_by(Job.conversation_id, Job.turn)
     )
@@ -297,7 +310,9 @@ def _ids(name: str, ids: frozenset[int]) -> Any:
 
 
 def _with_prompt(stmt: Select[*tuple[Any, ...]]) -> Select[*tuple[Any, ...]]:
-    return stmt.add_columns(Job.messages, Job.opens_reasoning)
+    return stmt.add_columns(
+        func.coalesce(Job.messages, _Holder.messages).label("messages"), Job.opens_reasoning
+    )
 
 
 def _conversations(rows: Iterator[Any]) -> Iterator[ExportedConversation]:
@@ -333,6 +348,10 @@ def _record(row: Any) -> ExportedGeneration:
         created_at=row.created_at,
         conversation_id=row.conversation_id,
         turn=row.turn,
+        sample=int(row.sample),
+        variant=row.variant,
+        first=int(row.first_job if row.conversation_id is None else row.first_conversation),
+        sampled=bool(row.sampled),
     )
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from core.samples import sample_identity
 from models.tokens import pack
 
 
@@ -54,6 +55,11 @@ class DatasetSpec:
     # 'all' or 'last' (datasets.turns); None: a new dataset takes 'all', one that exists
     # keeps its own.
     turns: str | None = None
+    # Generations of each prompt (datasets.samples): None keeps a dataset's own (1 for a
+    # new one); more raises it, fewer is refused.
+    samples: int | None = None
+    # Its variants as stored (core.samples.Variant.as_json); None keeps a dataset's own.
+    variants: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,11 +96,20 @@ class NewConversation:
     prompt_tokens: int
     messages: str
     opens_reasoning: bool
+    # Which sample of the row it is (core.samples), its variant and sampling seed.
+    sample: int = 0
+    variant: str | None = None
+    sampling_seed: int | None = None
+
+    @property
+    def row_digest(self) -> bytes:
+        """The row's identity in its dataset (its sample 0's)."""
+        return hashlib.sha256(self.source.encode()).digest()
 
     @property
     def digest(self) -> bytes:
-        """The conversation's identity in its dataset."""
-        return hashlib.sha256(self.source.encode()).digest()
+        """The conversation's identity in its dataset: its row's, and its sample's."""
+        return sample_identity(self.row_digest, self.sample)
 
 
 def turn_sha256(conversation_digest: bytes, turn: int) -> bytes:
@@ -106,6 +121,19 @@ def turn_sha256(conversation_digest: bytes, turn: int) -> bytes:
 def prompt_sha256(packed: bytes) -> bytes:
     """A prompt's identity: the hash (32 bytes) of exactly the ids the model sees (packed)."""
     return hashlib.sha256(packed).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class SampleColumns:
+    """A job's place among its prompt's samples (core.samples)."""
+
+    sample: int
+    variant: str | None
+    sampling_seed: int
+    # The identity of its prompt's sample 0 (None: it is sample 0), and that of the job
+    # holding its prompt ids and messages (None: it holds them itself).
+    first: bytes | None = None
+    holder: bytes | None = None
 
 
 @dataclass
@@ -122,6 +150,15 @@ class JobBatch:
     prompt_tokens: list[int] = field(default_factory=list)
     messages_json: list[str] = field(default_factory=list)
     opens_reasoning: list[bool] = field(default_factory=list)
+    # Set for the jobs of a dataset with several samples or variants (`add`'s ``sample``):
+    # which sample, its variant, its seed, its sample 0's identity (None: it is sample 0)
+    # and the identity of the job that holds its prompt ids (None: it holds them).
+    samples: list[SampleColumns] = field(default_factory=list)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether its jobs carry sample columns (then every one does)."""
+        return bool(self.samples)
 
     @classmethod
     def of(cls, jobs: Iterable[NewJob]) -> JobBatch:
@@ -146,8 +183,12 @@ class JobBatch:
         tokens: int,
         messages: str,
         opens_reasoning: bool,
+        sample: SampleColumns | None = None,
     ) -> None:
-        """Append one job."""
+        """Append one job (one sample of a prompt, with its ``sample`` columns: then every
+        job of the batch has them)."""
+        if sample is not None:
+            self.samples.append(sample)
         self.row_index.append(row_index)
         self.prompt_sha256.append(sha256)
         self.packed_ids.append(packed)
@@ -303,6 +344,9 @@ class DatasetStatus:
     turns: str = "last"
     conversations: dict[str, int] = field(default_factory=dict)
     turns_to_come: int = 0
+    # Generations asked of each prompt, and its variants' names and weights (core.samples).
+    samples: int = 1
+    variants: tuple[tuple[str, float], ...] = ()
 
     @property
     def total(self) -> int:
@@ -376,6 +420,13 @@ class ExportedGeneration:
     # A turn of an on-policy conversation: which, and its index from 0 (None: a plain job).
     conversation_id: int | None = None
     turn: int | None = None
+    # Its prompt's sample (core.samples) and variant; ``first``: the job (a conversation's
+    # turn: the conversation) of its prompt's sample 0, itself for sample 0 (0: unknown);
+    # ``sampled``: its dataset asks several samples or has variants (ids say the sample).
+    sample: int = 0
+    variant: str | None = None
+    first: int = 0
+    sampled: bool = False
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,76 @@ _INSERT_STAGED = """
 """
 
 
+# Samples of prompts (JobBatch.sampled) are staged with their sample columns and inserted
+# one sample index at a time, lowest first: a job names the jobs of lower samples (its
+# sample 0, the holder of its prompt ids) by identity, found by the unique key once
+# inserted by an earlier statement or an earlier enqueue. A sample that holds no ids of
+# its own stores NULL ids and messages.
+_CREATE_SAMPLE_STAGE = """
+    CREATE TEMP TABLE IF NOT EXISTS sample_stage (
+        row_index integer, prompt_sha256 bytea, input_ids bytea, prompt_tokens integer,
+        messages text, opens_reasoning boolean, sort_key bigint, sample integer,
+        variant text, sampling_seed bigint, first_sha bytea, holder_sha bytea
+    ) ON COMMIT DELETE ROWS
+"""
+_COPY_SAMPLE_STAGE = "COPY sample_stage FROM STDIN (FORMAT BINARY)"
+_SAMPLE_STAGE_TYPES = (
+    *_STAGE_TYPES,
+    "integer",
+    "text",
+    "bigint",
+    "bytea",
+    "bytea",
+)
+_INSERT_SAMPLE = """
+    INSERT INTO jobs (
+        dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages, opens_reasoning,
+        sort_key, sample, variant, sampling_seed, prompt_job, prompt_of
+    )
+    SELECT %(dataset)s, s.row_index, s.prompt_sha256,
+        CASE WHEN s.holder_sha IS NULL THEN s.input_ids END, s.prompt_tokens,
+        CASE WHEN s.holder_sha IS NULL THEN s.messages::json END, s.opens_reasoning,
+        s.sort_key, s.sample, s.variant, s.sampling_seed, first.id, holder.id
+    FROM sample_stage s
+    LEFT JOIN jobs first ON first.dataset_id = %(dataset)s AND first.prompt_sha256 = s.first_sha
+    LEFT JOIN jobs holder
+        ON holder.dataset_id = %(dataset)s AND holder.prompt_sha256 = s.holder_sha
+    WHERE s.sample = %(sample)s AND (s.holder_sha IS NULL OR holder.id IS NOT NULL)
+    ORDER BY s.row_index
+    ON CONFLICT (dataset_id, prompt_sha256) DO NOTHING
+    RETURNING id
+"""
+
+
+def _insert_samples(
+    cursor: psycopg.Cursor[Any], dataset_id: int, batch: JobBatch, seed: int
+) -> list[int]:
+    """Stage the batch's samples, then insert what the dataset lacks, sample by sample."""
+    cursor.execute(_CREATE_SAMPLE_STAGE)
+    with cursor.copy(_COPY_SAMPLE_STAGE) as copy:
+        copy.set_types(_SAMPLE_STAGE_TYPES)
+        for row, columns in zip(batch.rows(), batch.samples, strict=True):
+            # Every sample of a prompt takes its sample 0's place in the order: a budget
+            # that stops the dataset stops it between prompts, each with all its samples.
+            key = sort_key(seed, columns.first or row[1])
+            copy.write_row(
+                (
+                    *row,
+                    key,
+                    columns.sample,
+                    columns.variant,
+                    columns.sampling_seed,
+                    columns.first,
+                    columns.holder,
+                )
+            )
+    ids: list[int] = []
+    for sample in sorted({c.sample for c in batch.samples}):
+        cursor.execute(_INSERT_SAMPLE, {"dataset": dataset_id, "sample": sample})
+        ids += [int(r[0]) for r in cursor.fetchall()]
+    return sorted(ids)
+
+
 def _keyed_rows(batch: JobBatch, seed: int) -> Iterator[tuple[Any, ...]]:
     """The batch's rows, each with its sort key (models.order) appended."""
     for row in batch.rows():
@@ -223,6 +293,14 @@ class Repository(
         with self.engine.connect() as conn:
             return str(conn.scalar(select(Dataset.turns).where(Dataset.id == dataset_id)))
 
+    def dataset_samples(self, dataset_id: int) -> tuple[int, list[dict[str, Any]]]:
+        """A dataset's samples per prompt and its variants as stored (core.samples)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(Dataset.samples, Dataset.variants).where(Dataset.id == dataset_id)
+            ).one()
+        return int(row.samples), list(row.variants or [])
+
     def order_seed(self, run: str) -> int | None:
         """The publishing order's seed of a run (None: no such run)."""
         with self.engine.connect() as conn:
@@ -244,17 +322,28 @@ class Repository(
                     budget_tokens=spec.budget_tokens,
                     budget_basis=spec.budget_basis,
                     turns=spec.turns or "all",
+                    samples=spec.samples or 1,
+                    variants=spec.variants or [],
                     **reserve,
                 )
                 .on_conflict_do_nothing(index_elements=[Dataset.run_id, Dataset.name])
             )
             row = conn.execute(
-                select(Dataset.id, Dataset.sampling_params, Dataset.budget_basis).where(
-                    Dataset.run_id == run_id, Dataset.name == spec.name
-                )
+                select(
+                    Dataset.id,
+                    Dataset.sampling_params,
+                    Dataset.budget_basis,
+                    Dataset.samples,
+                    Dataset.variants,
+                ).where(Dataset.run_id == run_id, Dataset.name == spec.name)
             ).one()
             same_params = _same_params(row.sampling_params, spec)
             unchanged = same_params and row.budget_basis == spec.budget_basis
+            _check_samples(spec, row.samples, row.variants)
+            if spec.samples is not None and spec.samples > row.samples and unchanged:
+                conn.execute(
+                    update(Dataset).where(Dataset.id == row.id).values(samples=spec.samples)
+                )
             if reserve and unchanged:  # else refused below, and nothing changes
                 conn.execute(
                     update(Dataset)
@@ -290,7 +379,12 @@ class Repository(
         with self.engine.begin() as conn:
             seed = dataset_order_seed(conn, dataset_id)
             with driver_cursor(conn) as cursor:
-                ids = _copy_new_jobs(cursor, dataset_id, batch, seed) if expect_new else None
+                if batch.sampled:
+                    ids: list[int] | None = _insert_samples(cursor, dataset_id, batch, seed)
+                elif expect_new:
+                    ids = _copy_new_jobs(cursor, dataset_id, batch, seed)
+                else:
+                    ids = None
                 if ids is None:
                     ids = _insert_staged(cursor, dataset_id, batch, seed)
             if ids:
@@ -356,6 +450,24 @@ class Repository(
                 (r.run, r.dataset): int(r.completion or 0) for r in conn.execute(completions)
             }
         return _assemble_counts(state_rows, completion_rows)
+
+
+def _check_samples(spec: DatasetSpec, samples: int, variants: list[dict[str, Any]]) -> None:
+    """Refuse fewer samples than the dataset asks (nothing is ever deleted) or other
+    variants than it has (its jobs were drawn among those)."""
+    if spec.samples is not None and spec.samples < samples:
+        raise DatasetMismatchError(
+            f"dataset {spec.name!r} asks {samples} samples of each prompt; {spec.samples} would "
+            "leave jobs that were asked for: nothing is deleted. Keep samples = "
+            f"{samples} (export --samples-per-prompt {spec.samples} writes {spec.samples} "
+            "of each), or start a new run (--run NEW_NAME)"
+        )
+    if spec.variants is not None and spec.variants != variants:
+        names = ", ".join(str(v.get("name")) for v in variants) or "none"
+        raise DatasetMismatchError(
+            f"dataset {spec.name!r} has other variants ({names}); its jobs were drawn among "
+            "them: start a new run (--run NEW_NAME) to change them"
+        )
 
 
 def _check_family(spec: RunSpec, recorded: str | None) -> None:

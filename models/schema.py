@@ -82,6 +82,7 @@ class Dataset(Base):
         CheckConstraint("used_tokens >= 0 AND reserved_tokens >= 0", name="ledger_nonnegative"),
         CheckConstraint("reserve IN ('observed', 'worst_case')", name="reserve_known"),
         CheckConstraint("turns IN ('all', 'last')", name="turns_known"),
+        CheckConstraint("samples >= 1", name="samples_positive"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -102,6 +103,11 @@ class Dataset(Base):
     # (a `conversations` row); 'last': the row's last point only, after the row's history.
     turns: Mapped[str] = mapped_column(String(8), server_default="all")
     observed_reserve_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Generations asked of each prompt (of each conversation), and the named sampling
+    # variants they are spread over (core.samples; [] for none): raised by a later enqueue,
+    # never lowered; the variants never change.
+    samples: Mapped[int] = mapped_column(Integer, server_default="1")
+    variants: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, server_default="[]")
     # Jobs by state and the done jobs' tokens, moved by the statement of each transaction
     # that moves a job (models.counters): `status` reads them instead of scanning the jobs.
     jobs_queued: Mapped[int] = _counter()
@@ -139,6 +145,7 @@ class Job(Base):
             postgresql_where="state = 'queued' AND published_at IS NOT NULL",
         ),
         CheckConstraint("reserved_tokens >= 0", name="reserved_nonnegative"),
+        CheckConstraint("(prompt_of IS NULL) = (input_ids IS NOT NULL)", name="prompt_stored_once"),
         Index(
             "ix_jobs_conversation_turn",
             "conversation_id",
@@ -152,11 +159,12 @@ class Job(Base):
     dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"))
     row_index: Mapped[int] = mapped_column(Integer)
     prompt_sha256: Mapped[bytes] = mapped_column(BYTEA)  # the digest: half the index of hex
-    input_ids: Mapped[list[int]] = mapped_column(TokenArray)
+    # NULL when ``prompt_of`` holds them (and the messages): a prompt's ids are stored once.
+    input_ids: Mapped[list[int] | None] = mapped_column(TokenArray, nullable=True)
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     # json, not jsonb: kept as written (for export), cheaper to insert, and able to hold
     # a NUL character; nothing queries inside it.
-    messages: Mapped[Any] = mapped_column(JSON)
+    messages: Mapped[Any] = mapped_column(JSON, nullable=True)
     # The prompt leaves the model inside a reasoning block: its output must hold think-end.
     opens_reasoning: Mapped[bool] = mapped_column(Boolean, server_default=false())
     state: Mapped[str] = mapped_column(String(16), server_default=JobState.QUEUED.value)
@@ -181,6 +189,19 @@ class Job(Base):
         ForeignKey("conversations.id", ondelete="CASCADE"), nullable=True
     )
     turn: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Which of its prompt's samples it is (from 0), its variant (None: the dataset's
+    # sampling as it is) and the sampling_seed it is sent with (None: none is sent).
+    sample: Mapped[int] = mapped_column(Integer, server_default="0")
+    variant: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sampling_seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The job of its prompt's sample 0 (None: it is that job); the job holding its prompt
+    # ids and messages (None: its own columns do).
+    prompt_job: Mapped[int | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True
+    )
+    prompt_of: Mapped[int | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True
+    )
 
 
 class Conversation(Base):
@@ -212,6 +233,14 @@ class Conversation(Base):
     turns: Mapped[int] = mapped_column(Integer, server_default="1")
     state: Mapped[str] = mapped_column(String(16), server_default="active")
     ended_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # As a job's (Job.sample, .variant, .sampling_seed): every turn takes them; the
+    # conversation of the row's sample 0 (None: it is that one).
+    sample: Mapped[int] = mapped_column(Integer, server_default="0")
+    variant: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sampling_seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    first_sample: Mapped[int | None] = mapped_column(
+        ForeignKey("conversations.id", ondelete="CASCADE"), nullable=True
+    )
     created_at: Mapped[datetime | None] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), nullable=True
     )

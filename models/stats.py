@@ -136,6 +136,24 @@ _POINTS = f"""
     SELECT dataset, p, c FROM g ORDER BY hashint8extended(job_id, :seed), job_id LIMIT :n
 """
 
+
+# Datasets of several samples or with variants: per dataset and variant, jobs, done ones,
+# completion tokens and their percentiles, truncations and the reasoning share (of the
+# completion tokens of jobs whose prompt opened reasoning).
+_BY_VARIANT = f"""
+    SELECT d.name AS dataset, j.variant, d.samples, count(*) AS jobs, count(g.job_id) AS done,
+        sum(g.completion_tokens) AS c_sum, {_PCT.format("g.completion_tokens")} AS c_pct,
+        count(*) FILTER (WHERE g.finish_type = 'length') AS truncated,
+        sum(g.reasoning_tokens) FILTER (WHERE j.opens_reasoning) AS r_sum,
+        sum(g.completion_tokens) FILTER (WHERE j.opens_reasoning) AS r_of
+    FROM jobs j JOIN datasets d ON d.id = j.dataset_id
+    LEFT JOIN generations g ON g.job_id = j.id AND j.state = 'done'
+    WHERE d.run_id = :run AND d.name = ANY(:names)
+      AND (d.samples > 1 OR jsonb_array_length(d.variants) > 0)
+    GROUP BY d.name, j.variant, d.samples
+    ORDER BY d.name, j.variant NULLS FIRST
+"""
+
 _STATES = """
     SELECT d.name AS dataset, j.state, count(j.id) AS n
     FROM datasets d LEFT JOIN jobs j ON j.dataset_id = d.id
@@ -146,11 +164,14 @@ _STATES = """
 # A job's declared tools (json null when none). Its messages are json, kept as written, and
 # Postgres refuses a document once it must unescape a string holding \u0000 (a decoded
 # answer may hold NUL): such a document is read with that escape replaced, which changes no
-# key and no tool.
+# key and no tool. A sample that stores no prompt reads its holder's (``h``, joined by
+# _HOLDER in every query that reads them).
+_MESSAGES = "COALESCE(j.messages, h.messages)"
 _TOOLS = (
-    "(CASE WHEN strpos(j.messages::text, '\\u0000') = 0 THEN j.messages"
-    " ELSE replace(j.messages::text, '\\u0000', '\\ufffd')::json END) -> 'tools'"
+    f"(CASE WHEN strpos({_MESSAGES}::text, '\\u0000') = 0 THEN {_MESSAGES}"
+    f" ELSE replace({_MESSAGES}::text, '\\u0000', '\\ufffd')::json END) -> 'tools'"
 )
+_HOLDER = "LEFT JOIN jobs h ON h.id = j.prompt_of"
 
 # The rows whose ids hold a tool-call marker, for the token-level checks; a marker's 4
 # bytes may also match across two ids, which dissecting the row rules out. ``tools`` is
@@ -161,6 +182,7 @@ _TOOL_ROWS = f"""
     FROM generations g
     JOIN jobs j ON j.id = g.job_id
     JOIN datasets d ON d.id = j.dataset_id
+    {_HOLDER}
     WHERE d.run_id = :run AND j.state = 'done' AND d.name = ANY(:names)
       AND EXISTS (SELECT 1 FROM unnest(CAST(:patterns AS bytea[])) m
                   WHERE position(m IN g.output_ids) > 0)
@@ -185,20 +207,23 @@ _TOOL_SCOPE = f"""
     FROM generations g
     JOIN jobs j ON j.id = g.job_id
     JOIN datasets d ON d.id = j.dataset_id
+    {_HOLDER}
     WHERE d.run_id = :run AND j.state = 'done' AND d.name = ANY(:names) {{sample}}
     GROUP BY d.name
 """
 
 _DETAIL = f"""
     SELECT j.id AS job_id, r.name AS run, d.name AS dataset, j.row_index, j.state,
-           j.input_ids, j.opens_reasoning AS opens, {_TOOLS} AS tools,
+           COALESCE(j.input_ids, h.input_ids) AS input_ids, j.opens_reasoning AS opens,
+           {_TOOLS} AS tools,
            d.sampling_params, g.output_ids, g.finish_type, g.finish_matched,
            g.completion_tokens, g.prompt_tokens, g.cached_tokens, g.e2e_latency, g.server,
            g.think_end_present, g.reasoning_tokens, g.answer_tokens,
-           j.conversation_id, j.turn
+           j.conversation_id, j.turn, j.sample, j.variant, j.sampling_seed
     FROM jobs j
     JOIN datasets d ON d.id = j.dataset_id
     JOIN runs r ON r.id = d.run_id
+    {_HOLDER}
     LEFT JOIN generations g ON g.job_id = j.id
     WHERE j.id = :job
 """
@@ -336,6 +361,30 @@ class ConversationFigures:
 
 
 @dataclass(frozen=True)
+class VariantFigures:
+    """A dataset's jobs of one variant (None: the dataset's own sampling), in a dataset of
+    several samples or with variants."""
+
+    dataset: str
+    variant: str | None
+    samples: int  # the dataset's samples per prompt
+    jobs: int
+    done: int
+    completion_tokens: int
+    completion_pct: tuple[float | None, ...]  # PERCENTILES of the done ones
+    truncated: int
+    reasoning_tokens: int | None  # of the done jobs whose prompt opened reasoning
+    reasoning_of: int | None  # their completion tokens
+
+    @property
+    def reasoning_share(self) -> float | None:
+        """Reasoning tokens over the completion tokens of jobs that opened reasoning."""
+        if not self.reasoning_of or self.reasoning_tokens is None:
+            return None
+        return self.reasoning_tokens / self.reasoning_of
+
+
+@dataclass(frozen=True)
 class Detail:
     """One job with its generation (``output_ids`` None when it has none), for `show`."""
 
@@ -360,6 +409,10 @@ class Detail:
     # Its conversation and turn (``turns = "all"``); None for a job of its own.
     conversation_id: int | None = None
     turn: int | None = None
+    # Its prompt's sample, its variant and the seed it is sent with (core.samples).
+    sample: int = 0
+    variant: str | None = None
+    sampling_seed: int | None = None
 
 
 class StatsQueries:
@@ -525,6 +578,26 @@ class StatsQueries:
             figures.by_turn.sort(key=lambda t: t.turn)
         return out
 
+    def by_variant(self, run_id: int, names: Sequence[str]) -> list[VariantFigures]:
+        """Per dataset of several samples or with variants, its figures by variant."""
+        params = {"run": run_id, "names": list(names)}
+        with self.engine.connect() as conn:
+            return [
+                VariantFigures(
+                    str(r.dataset),
+                    r.variant,
+                    int(r.samples),
+                    int(r.jobs),
+                    int(r.done),
+                    int(r.c_sum or 0),
+                    tuple(r.c_pct or (None,) * len(PERCENTILES)),
+                    int(r.truncated),
+                    None if r.r_sum is None else int(r.r_sum),
+                    None if r.r_of is None else int(r.r_of),
+                )
+                for r in conn.execute(text(_BY_VARIANT), params)
+            ]
+
     def conversation_job_ids(self, job_id: int) -> list[int]:
         """The jobs of ``job_id``'s conversation in turn order (just it, when it has none)."""
         with self.engine.connect() as conn:
@@ -641,4 +714,7 @@ def _detail(r: Any) -> Detail:
         think_end_present=r["think_end_present"],
         conversation_id=r.get("conversation_id"),
         turn=r.get("turn"),
+        sample=int(r.get("sample") or 0),
+        variant=r.get("variant"),
+        sampling_seed=r.get("sampling_seed"),
     )

@@ -53,6 +53,8 @@ _DATASETS = table(
     column("first_done_at"),
     column("last_done_at"),
     column("turns"),
+    column("samples"),
+    column("variants"),
 )
 _CONVERSATIONS = table(
     "conversations",
@@ -161,6 +163,8 @@ def _datasets(run: str | None) -> Select[*tuple[Any, ...]]:
         _DATASETS.c.reserve,
         _DATASETS.c.observed_reserve_tokens,
         _DATASETS.c.turns,
+        _DATASETS.c.samples,
+        _DATASETS.c.variants,
         _DATASETS.c.sampling_params["max_new_tokens"].as_integer().label("max_new_tokens"),
     ).join(_RUNS, _RUNS.c.id == _DATASETS.c.run_id)
     stmt = stmt.order_by(_RUNS.c.name, _DATASETS.c.name)
@@ -267,6 +271,8 @@ def _dataset(
     for c in conversations:
         by_state[c.state if c.ended_reason is None else f"ended: {c.ended_reason}"] += int(c.n)
     return DatasetStatus(
+        samples=int(row.samples),
+        variants=tuple((str(v["name"]), float(v.get("weight", 1.0))) for v in row.variants or ()),
         turns=str(row.turns),
         conversations=dict(by_state),
         turns_to_come=_turns_to_come(conversations),

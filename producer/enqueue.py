@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import redis
 
 from core.broker import Publisher
+from core.samples import Variant, variants_of
 from models.ledger import format_tokens
 from models.records import DatasetSpec, RunSpec
 from models.repository import Repository
@@ -34,9 +35,10 @@ from producer.parallel import (
     default_workers,
 )
 from producer.plan import DatasetPlan, RunPlan
-from producer.prepare import Prepared
+from producer.prepare import Prepared, prepare
 from producer.readers import MAX_ROW_BYTES, InputError, detect_format, iter_rows
 from producer.rows import RawRow
+from producer.samples import SamplePlan, expand
 from producer.stats import DatasetStats, totals
 from producer.template import Templater
 
@@ -71,6 +73,11 @@ class Sink(Protocol):
         """What of a multi-turn row the dataset answers (datasets.turns)."""
         ...
 
+    @property
+    def samples(self) -> SamplePlan:
+        """What the dataset asks of each prompt (core.samples)."""
+        ...
+
     def write(self, prepared: Prepared) -> Written: ...
 
 
@@ -98,6 +105,8 @@ class DatabaseSink:
     wake_error: str | None = None
     # New jobs stored so far (committed), counted in the writer's thread as each batch is.
     stored: int = 0
+    # What the dataset asks of each prompt (its samples and variants, as stored).
+    samples: SamplePlan = field(default_factory=SamplePlan)
 
     def write(self, prepared: Prepared) -> Written:
         new_ids = self.repo.insert_jobs(self.dataset_id, prepared.jobs, expect_new=self.expect_new)
@@ -133,6 +142,7 @@ class DrySink:
     budget_tokens: int | None
     turns: str = "all"
     seen: set[int] = field(default_factory=set)
+    samples: SamplePlan = field(default_factory=SamplePlan)
 
     def write(self, prepared: Prepared) -> Written:
         before = len(self.seen)
@@ -414,8 +424,16 @@ def _sinks(
     publisher: Publisher | None,
 ) -> dict[str, Sink]:
     if repo is None or publisher is None:
-        return {d.name: DrySink(d.budget_tokens, d.turns or "all") for d in plan.datasets}
+        return {
+            d.name: DrySink(
+                d.budget_tokens,
+                d.turns or "all",
+                samples=sample_plan(plan, d.samples or 1, d.variants or (), plan.order_seed or 0),
+            )
+            for d in plan.datasets
+        }
     run_id = repo.ensure_run(run_spec(plan, templater))
+    order_seed = repo.order_seed(plan.run) or 0
     sinks: dict[str, Sink] = {}
     for d in plan.datasets:
         dataset_id = repo.ensure_dataset(
@@ -429,16 +447,54 @@ def _sinks(
                 reserve=None if d.reserve is None else d.reserve.value,
                 stops_defaulted=not plan.names_stop_ids(d),
                 turns=d.turns,
+                samples=d.samples,
+                variants=None if d.variants is None else [v.as_json() for v in d.variants],
             ),
         )
+        samples, variants = repo.dataset_samples(dataset_id)
         sinks[d.name] = DatabaseSink(
             repo,
             publisher,
             dataset_id,
             repo.budget_of(dataset_id),
             repo.dataset_turns(dataset_id),
+            samples=sample_plan(plan, samples, variants_of(variants), order_seed),
         )
     return sinks
+
+
+def sample_plan(
+    plan: RunPlan, samples: int, variants: Sequence[Variant], order_seed: int
+) -> SamplePlan:
+    """A dataset's samples and variants; those of its variants whose template kwargs
+    change the run's template its rows again."""
+    kwargs = plan.chat_template_kwargs
+    own = frozenset(v.name for v in variants if {**kwargs, **v.template} != kwargs)
+    return SamplePlan(samples, tuple(variants), order_seed, own)
+
+
+@dataclass
+class VariantPreparer:
+    """Templates rows again for the variants with template kwargs of their own, in this
+    process: one templater per variant, loaded at its first rows."""
+
+    plan: RunPlan
+    max_new_tokens: int
+    turns: str
+    templaters: dict[str, Templater] = field(default_factory=dict)
+
+    def __call__(self, variant: Variant, rows: list[RawRow]) -> Prepared:
+        templater = self.templaters.get(variant.name)
+        if templater is None:
+            templater = Templater(
+                self.plan.tokenizer,
+                trust_remote_code=self.plan.trust_remote_code,
+                template_kwargs={**self.plan.chat_template_kwargs, **variant.template},
+                family=self.plan.family,
+            )
+            self.templaters[variant.name] = templater
+        max_new = int(variant.sampling.get("max_new_tokens", self.max_new_tokens))
+        return prepare(templater, rows, self.plan.max_context_len, max_new, self.turns)
 
 
 def enqueue_dataset(
@@ -465,20 +521,22 @@ def enqueue_dataset(
             f"{source.broken}; nothing of dataset {dataset.name!r} is stored (a seeded "
             "sample needs the whole file): fix it and run the same enqueue again"
         )
-    preparing: deque[tuple[int, Future[Prepared] | Future[str]]] = deque()
+    preparing: deque[tuple[list[RawRow], Future[Prepared] | Future[str]]] = deque()
     writing: deque[tuple[int, Prepared, Future[Written]]] = deque()
+    variants = VariantPreparer(plan, stats.max_new_tokens, sink.turns)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="enqueue-writer") as writer:
 
         def write_oldest() -> None:
-            size, prepared = preparing.popleft()
+            batch, prepared = preparing.popleft()
             done = preparer.result(prepared)  # re-raises a failed batch here
-            writing.append((size, done, writer.submit(sink.write, done)))
+            done = expand(sink.samples, batch, done, variants)
+            writing.append((len(batch), done, writer.submit(sink.write, done)))
             while len(writing) > WRITES_IN_FLIGHT:
                 _account(stats, *writing.popleft(), dataset.name, progress)
 
         for batch in batches(rows, BATCH_ROWS):
             future = preparer.submit(batch, plan.max_context_len, stats.max_new_tokens, sink.turns)
-            preparing.append((len(batch), future))
+            preparing.append((batch, future))
             while len(preparing) > preparer.ahead:
                 write_oldest()
         while preparing:
@@ -527,7 +585,9 @@ def _account(
     new = done.jobs
     stats.rows += rows
     stats.accepted += new
-    stats.duplicates += rows - len(prepared.rejections) - new
+    # With several samples a row adds several jobs: a row counts as a duplicate only when
+    # the batch added nothing.
+    stats.duplicates += max(0, rows - len(prepared.rejections) - new)
     stats.rejected_by_reason.update(r.reason for r in prepared.rejections)
     stats.prompt_lengths.extend(prepared.jobs.prompt_tokens)
     stats.prompt_lengths.extend(c.prompt_tokens for c in prepared.conversations)

@@ -9,6 +9,7 @@ from typing import Any
 
 from core.families import family_named
 from core.names import check_name
+from core.samples import Variant
 from core.sampling import complete
 from models.ledger import BudgetBasis, ReservePolicy, parse_tokens
 from producer.runfile import RunFile
@@ -32,9 +33,19 @@ class DatasetPlan:
     # "all" or "last" (runfile.DatasetEntry.turns); None: "all" for a new dataset, the
     # recorded choice for one that exists.
     turns: str | None = None
+    # Generations of each prompt and the variants they are spread over (core.samples);
+    # None: a new dataset's default (1, none), the recorded ones for one that exists.
+    samples: int | None = None
+    variants: tuple[Variant, ...] | None = None
 
     def __post_init__(self) -> None:
         check_name("dataset", self.name)
+        for variant in self.variants or ():
+            try:
+                complete(dict(variant.sampling), [])
+            except ValueError as exc:
+                where = f"dataset {self.name!r}, variant {variant.name!r}"
+                raise ValueError(f"{where}: {exc}") from None
         if self.turns not in (None, "all", "last"):
             raise ValueError(f"turns must be 'all' or 'last', not {self.turns!r}")
 
@@ -93,6 +104,13 @@ def plan_from_run_file(run_file: RunFile) -> RunPlan:
                 sample_seed=d.sample_seed,
                 reserve=d.reserve,
                 turns=d.turns,
+                samples=d.samples,
+                variants=None
+                if d.variants is None
+                else tuple(
+                    Variant(v.name, v.weight, dict(v.sampling), dict(v.chat_template_kwargs))
+                    for v in d.variants
+                ),
             )
             for d in run_file.datasets
         ],
@@ -118,6 +136,7 @@ def plan_from_flags(
     order_seed: int | None = None,
     family: str | None = None,
     turns: str | None = None,
+    samples: int | None = None,
 ) -> RunPlan:
     """The quick form: one dataset file and the same knobs as flags."""
     missing = [
@@ -154,6 +173,7 @@ def plan_from_flags(
                 limit=limit,
                 sample_seed=sample_seed,
                 turns=turns,
+                samples=samples,
             )
         ],
     )

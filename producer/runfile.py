@@ -14,6 +14,17 @@ from models.ledger import BudgetBasis, ReservePolicy, parse_tokens
 FORMATS = ("jsonl", "json", "parquet", "hf")
 
 
+class VariantEntry(BaseModel):
+    """One ``[[datasets.variants]]`` table (core.samples.Variant)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    weight: float = Field(default=1.0, gt=0)
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
 class DatasetEntry(BaseModel):
     """One ``[[datasets]]`` table."""
 
@@ -32,6 +43,19 @@ class DatasetEntry(BaseModel):
     # What of a multi-turn row is answered (core.dialogue): "all" its turns, on-policy, or
     # its "last" only; None: a new dataset answers all, one that exists keeps its choice.
     turns: Literal["all", "last"] | None = None
+    # Generations of each prompt (core.samples); None: 1 for a new dataset, one that exists
+    # keeps its own.
+    samples: int | None = Field(default=None, ge=1, le=64)
+    variants: list[VariantEntry] | None = None
+
+    @field_validator("variants")
+    @classmethod
+    def _variant_names(cls, value: list[VariantEntry] | None) -> list[VariantEntry] | None:
+        names = [v.name for v in value or ()]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"variant names must be unique, repeated: {duplicated}")
+        return value
 
     @field_validator("budget_tokens", mode="before")
     @classmethod

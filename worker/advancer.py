@@ -110,7 +110,7 @@ class Advancer:
             if t.state == JobState.DONE.value
         ]
         step = next_turn(
-            tokenizer,
+            tokenizer.with_template_kwargs(conversation.template_kwargs),
             Prompt.of(conversation.source),
             answers,
             stored_stop_ids(conversation.sampling_params),

@@ -76,6 +76,15 @@ def enqueue(
             "new dataset; one that exists keeps its choice)"
         ),
     ] = None,
+    samples: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Generations of each prompt, each a job with its own sampling_seed "
+            "(default: 1 for a new dataset; one that exists keeps its own; fewer is refused)",
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option(help="Read and template only; write nothing")] = False,
     workers: Annotated[
         int | None,
@@ -102,10 +111,10 @@ def enqueue(
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     if source.suffix == ".toml":
-        if run or dataset or tokenizer or family or turns:
+        if run or dataset or tokenizer or family or turns or samples:
             raise ValueError(
-                f"{source}: a run file names the run, datasets, tokenizer, family and turns; "
-                "drop --run/--dataset/--tokenizer/--family/--turns"
+                f"{source}: a run file names the run, datasets, tokenizer, family, turns and "
+                "samples; drop --run/--dataset/--tokenizer/--family/--turns/--samples"
             )
         plan = plan_from_run_file(load_run_file(source))
         if order_seed is not None:
@@ -128,6 +137,7 @@ def enqueue(
             order_seed=order_seed,
             family=family,
             turns=turns,
+            samples=samples,
             sampling={"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p},
         )
     for dataset_plan in plan.datasets:  # a bad input is the first thing to hear about

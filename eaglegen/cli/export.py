@@ -119,6 +119,10 @@ def export(
         int | None,
         typer.Option(help="Cut rows to N ids as trainers do; drop those left without loss"),
     ] = None,
+    samples_per_prompt: Annotated[
+        int | None,
+        typer.Option(help="Keep samples 0 to N-1 of each prompt (of a dataset with several)"),
+    ] = None,
     val_fraction: Annotated[
         float, typer.Option(help="Share of rows in the val split (by a hash of seed and id)")
     ] = 0.0,
@@ -156,6 +160,7 @@ def export(
         max_len,
         only_valid=only_valid,
         require_exact=require_exact,
+        samples_per_prompt=samples_per_prompt,
     )
     options = Options(
         writer=layout.writer,

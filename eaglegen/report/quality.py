@@ -23,6 +23,7 @@ from models.stats import (
     Spread,
     StatsDataset,
     TurnLengths,
+    VariantFigures,
 )
 
 # Bins of a completion-length histogram.
@@ -315,6 +316,8 @@ class Report:
     points: tuple[tuple[str, int, int], ...] = ()  # (dataset, prompt, completion) sample
     family: str | None = None  # the run's model family (core.families); None: not told
     conversations: tuple[Conversations, ...] = ()
+    # Datasets of several samples or with variants, by variant (models.stats).
+    variants: tuple[VariantFigures, ...] = ()
 
     @property
     def warnings(self) -> list[str]:
@@ -333,7 +336,24 @@ class Report:
             "token_checks": None if self.checks is None else self.checks.document(),
             "scatter_sample": len(self.points),
             "conversations": [c.document() for c in self.conversations],
+            "variants": [variant_document(v) for v in self.variants],
         }
+
+
+def variant_document(v: VariantFigures) -> dict[str, Any]:
+    """One dataset's figures of one variant, as ``stats --json`` writes them."""
+    return {
+        "dataset": v.dataset,
+        "variant": v.variant,
+        "samples_per_prompt": v.samples,
+        "jobs": v.jobs,
+        "done": v.done,
+        "completion_tokens": v.completion_tokens,
+        "completion": dict(zip(("p50", "p90", "p99"), v.completion_pct, strict=True)),
+        "truncated": v.truncated,
+        "truncated_share": share(v.truncated, v.done),
+        "reasoning_share": v.reasoning_share,
+    }
 
 
 def dataset_warnings(f: Figures, think_end: str) -> list[str]:

@@ -64,6 +64,9 @@ class SampleView:
     calls_checked: bool = True  # False: its calls are not read, and stay in the answer
     conversation_id: int | None = None  # its conversation (turns = "all"), and turn
     turn: int | None = None
+    sample: int = 0  # its prompt's sample, variant and seed (core.samples)
+    variant: str | None = None
+    sampling_seed: int | None = None
 
     def document(self) -> dict[str, Any]:
         """The JSON form: ``tool_calls`` is "not checked" where the family's calls are not
@@ -113,6 +116,9 @@ def view(
         calls_checked=anatomy.calls_checked,
         conversation_id=detail.conversation_id,
         turn=detail.turn,
+        sample=detail.sample,
+        variant=detail.variant,
+        sampling_seed=detail.sampling_seed,
     )
 
 
@@ -131,6 +137,8 @@ def render(v: SampleView, think_end: str) -> Group:
     title = (
         f"job {v.job_id} · dataset {v.dataset} · run {v.run} · family {v.family} · {v.state}"
         + ("" if v.turn is None else f" · conversation {v.conversation_id} turn {v.turn}")
+        + ("" if v.sampling_seed is None else f" · sample {v.sample} seed {v.sampling_seed}")
+        + ("" if v.variant is None else f" · variant {v.variant}")
         + (f" · finish {v.finish_type} · {v.completion_tokens:,} tokens" if v.generated else "")
     )
     heading = visible(title)

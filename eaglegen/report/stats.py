@@ -30,7 +30,7 @@ from eaglegen.report.quality import (
     total_tools,
 )
 from eaglegen.report.text import shown
-from models.stats import StatsQueries, StatsRun
+from models.stats import StatsQueries, StatsRun, VariantFigures
 
 # Points of the prompt-vs-completion plot (a seeded sample of the generations).
 SCATTER_POINTS = 3000
@@ -127,6 +127,7 @@ def collect(
         conversations=tuple(
             Conversations.of(conversations[n]) for n in names if n in conversations
         ),
+        variants=tuple(queries.by_variant(run.id, names)),
     )
 
 
@@ -212,7 +213,36 @@ def tables(report: Report) -> list[Columns]:
     out.append(_serving(every))
     if report.conversations:
         out.append(_conversations(report.conversations))
+    if report.variants:
+        out.append(_variants(report.variants))
     return out
+
+
+def _variants(found: Sequence[VariantFigures]) -> Columns:
+    """Datasets of several samples or with variants: each variant's jobs, tokens, lengths,
+    truncation and reasoning share."""
+    rows = []
+    for v in found:
+        p50, p90, _ = v.completion_pct
+        reasoning = v.reasoning_share
+        rows.append(
+            (
+                v.dataset,
+                "(dataset's sampling)" if v.variant is None else v.variant,
+                f"{v.samples}",
+                f"{v.done:,}/{v.jobs:,}",
+                f"{v.completion_tokens:,}",
+                _n(p50),
+                _n(p90),
+                f"{v.truncated:,}",
+                "-" if reasoning is None else f"{reasoning:.1%}",
+            )
+        )
+    headers = (
+        "dataset", "variant", "samples", "done/jobs", "completion tokens", "p50", "p90",
+        "truncated", "reasoning share",
+    )  # fmt: skip
+    return Columns("samples and variants", headers, tuple(rows))
 
 
 def _conversations(found: Sequence[Conversations]) -> Columns:

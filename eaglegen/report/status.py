@@ -79,6 +79,8 @@ def status_view(
     parts: list[Any] = [_datasets_table(document), _budgets_table(document)]
     if any(len(d["conversations"]) > 1 for d in document["datasets"]):
         parts.append(_conversations_table(document))
+    if any(d["samples"] > 1 or d["variants"] for d in document["datasets"]):
+        parts.append(_samples_table(document))
     if document["servers"]:
         parts.append(_servers_table(document, known=beats is not None))
     if document["datasets"]:
@@ -120,6 +122,8 @@ def _dataset_doc(d: DatasetStatus, progress: Progress, snapshot: StatusSnapshot)
         "jobs": {**d.states, "total": d.total},
         "turns": d.turns,
         "conversations": {**d.conversations, "turns_to_come": d.turns_to_come},
+        "samples": d.samples,
+        "variants": {name: weight for name, weight in d.variants},
         "prompt_tokens": d.done_prompt_tokens,
         "completion_tokens": d.done_completion_tokens,
         "budget": {
@@ -241,6 +245,25 @@ def _conversations_table(document: dict[str, Any]) -> Table:
             f"{conv.get('active', 0) + conv.get('waiting', 0):,}",
             ", ".join(f"{shown(k)} {n:,}" for k, n in sorted(ended.items())) or "0",
             f"{conv['turns_to_come']:,}",
+        )
+    return table
+
+
+def _samples_table(document: dict[str, Any]) -> Table:
+    """Datasets of several samples or with variants: samples per prompt, and each variant's
+    share of them (by weight; `eaglegen stats` has each variant's figures)."""
+    table = Table(title="samples and variants", title_justify="left")
+    for name in ("run", "dataset", "samples per prompt", "variants (share)"):
+        table.add_column(name)
+    for d in document["datasets"]:
+        if d["samples"] <= 1 and not d["variants"]:
+            continue
+        total = sum(d["variants"].values())
+        table.add_row(
+            shown(d["run"]),
+            shown(d["dataset"]),
+            f"{d['samples']}",
+            ", ".join(f"{shown(n)} {w / total:.0%}" for n, w in d["variants"].items()) or "-",
         )
     return table
 

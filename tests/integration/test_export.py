@@ -21,7 +21,7 @@ from exporter.export import ExportRequest, ExportResult, prepare, run_export
 from exporter.files import TMP_PREFIX, sha256_of
 from exporter.layouts import HF_DATASET, JSONL, PARQUET
 from exporter.manifest import MANIFEST, Options
-from exporter.rows import INVALID, NO_LOSS, NOT_EXACT, SHORT, TRUNCATED, Filters
+from exporter.rows import EXTRA_SAMPLE, INVALID, NO_LOSS, NOT_EXACT, SHORT, TRUNCATED, Filters
 from models.records import DatasetSpec, GenerationRecord, NewJob, RunSpec
 from models.repository import Repository
 from tests.helpers import InspectRepository, enqueue_file, sample_rows, wait_settled, write_jsonl
@@ -182,6 +182,7 @@ def test_filters_remove_rows_and_the_manifest_counts_what_each_removed(
         INVALID: 0,
         NO_LOSS: 1,
         NOT_EXACT: 0,
+        EXTRA_SAMPLE: 0,
     }
     assert (counts["a"]["read"], counts["a"]["exported"], counts["a"]["cut_to_max_len"]) == (
         5,

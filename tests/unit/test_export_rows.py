@@ -11,6 +11,7 @@ import pytest
 from exporter.columns import jsonl_line, record_batch
 from exporter.manifest import Options, Previous, check_extends
 from exporter.rows import (
+    EXTRA_SAMPLE,
     INVALID,
     NO_LOSS,
     NOT_EXACT,
@@ -139,7 +140,14 @@ def test_the_tally_counts_per_dataset_and_survives_the_manifest() -> None:
         "read": 3,
         "exported": 2,
         "splits": {TRAIN: 1, VAL: 1},
-        "removed": {TRUNCATED: 1, SHORT: 0, INVALID: 0, NO_LOSS: 0, NOT_EXACT: 0},
+        "removed": {
+            TRUNCATED: 1,
+            SHORT: 0,
+            INVALID: 0,
+            NO_LOSS: 0,
+            NOT_EXACT: 0,
+            EXTRA_SAMPLE: 0,
+        },
         "cut_to_max_len": 1,
         "longest_row": 30,
     }
