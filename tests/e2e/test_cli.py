@@ -121,6 +121,59 @@ budget_tokens = "50k"
     assert chat["budget_tokens"] == 50_000 and chat["worst_case_tokens"] == jobs * 4096
 
 
+def test_a_run_file_with_samples_and_variants_enqueues_reports_and_refuses_fewer(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The README's run file shape: samples = 4 and two variants, one with template kwargs
+    of its own (Kimi's `thinking = false`)."""
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(10)]
+    write_jsonl(tmp_path / "chat.jsonl", rows)
+
+    def run_file(samples: int) -> Path:
+        path = tmp_path / f"run{samples}.toml"
+        path.write_text(f"""
+run = "k"
+tokenizer = "{TOKENIZER_DIR}"
+order_seed = 5
+[[datasets]]
+name = "chat"
+path = "chat.jsonl"
+samples = {samples}
+[[datasets.variants]]
+name = "think"
+weight = 3
+sampling = {{ temperature = 1.0 }}
+[[datasets.variants]]
+name = "fast"
+weight = 1
+sampling = {{ temperature = 0.6, max_new_tokens = 512 }}
+chat_template_kwargs = {{ thinking = false }}
+""")
+        return path
+
+    env = service_env(settings)
+    dry = eaglegen("enqueue", str(run_file(4)), "--dry-run", "--json", env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["datasets"]["chat"]["accepted"] == 40
+    done = eaglegen("enqueue", str(run_file(4)), "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["datasets"]["chat"]["accepted"] == 40
+    status = eaglegen("status", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    [chat] = json.loads(status.stdout)["datasets"]
+    assert (chat["samples"], chat["variants"]) == (4, {"think": 3.0, "fast": 1.0})
+    assert chat["jobs"]["queued"] == 40
+    shown = eaglegen("status", env={**env, "COLUMNS": "200"})
+    assert "samples and variants" in shown.stdout and "fast 25%" in shown.stdout
+    fewer = eaglegen("enqueue", str(run_file(2)), env=env)
+    assert fewer.returncode == 2
+    assert "asks 4 samples of each prompt; 2 would" in fewer.stderr
+    assert "Traceback" not in fewer.stderr
+    n = eaglegen("enqueue", "--run", "n", "--dataset", "d", "--tokenizer", str(TOKENIZER_DIR),
+                 str(tmp_path / "chat.jsonl"), "--samples", "0", env=env)  # fmt: skip
+    assert n.returncode == 2 and "Traceback" not in n.stderr
+
+
 def test_unknown_format_is_a_clear_error_before_anything_is_written(
     settings: Settings, tmp_path: Path
 ) -> None:

@@ -59,8 +59,10 @@ def enqueue(
     turns: str = "last",
     budget: int | None = None,
     max_new_tokens: int = 64,
+    order_seed: int = 7,
 ) -> DatasetStats:
-    """`eaglegen enqueue` of one dataset ``d`` of run ``run``."""
+    """`eaglegen enqueue` of one dataset ``d`` of run ``run``; the run's order seed fixed, so
+    that the variants drawn (by the seed) are the same on every run of a test."""
     dataset = DatasetPlan(
         "d",
         path,
@@ -73,7 +75,7 @@ def enqueue(
     report = run_enqueue(
         settings,
         settings.services(),
-        RunPlan(run="run", tokenizer=tokenizer, datasets=[dataset]),
+        RunPlan(run="run", tokenizer=tokenizer, datasets=[dataset], order_seed=order_seed),
         quiet=True,
     )
     [stats] = report.datasets
@@ -298,32 +300,57 @@ def export_rows(
     ]
 
 
+OFF = Variant("off", 1.0, {}, {"enable_thinking": False})
+
+
 def test_each_sample_of_a_conversation_is_a_conversation_of_its_own(
     settings: Settings, repo: Repository, tmp_path: Path
 ) -> None:
-    family = tokenizer_folder(tmp_path / "tok", "kimi_k2")
+    family = tokenizer_folder(tmp_path / "tok", "qwen3")
     path = write_jsonl(tmp_path / "chats.jsonl", CHATS)
-    stats = enqueue(settings, path, family, samples=2, turns="all", max_new_tokens=200)
+    stats = enqueue(
+        settings, path, family, samples=2, variants=(THINK, OFF), turns="all", max_new_tokens=200
+    )
     assert (stats.conversations, stats.accepted) == (6, 8)  # 3 rows x 2, 1 single x 2
     with SimServer(SimConfig(tokenizer_dir=family, **FAST)) as sim:
         with in_thread_worker(served(settings, sim.url)):
             with repo.engine.connect() as conn:
                 dataset_id = int(conn.scalar(select(Dataset.id)))
             counts = wait_conversations(repo, dataset_id)
-        assert counts.by_state == {"done": 6}, counts
+        assert counts.total == 6 and counts.turns_created > 6, counts
         with repo.engine.connect() as conn:
             conversations = conn.execute(
                 select(Conversation.id, Conversation.row_index, Conversation.sample,
-                       Conversation.sampling_seed, Conversation.first_sample)
+                       Conversation.variant, Conversation.sampling_seed,
+                       Conversation.first_sample)
             ).all()  # fmt: skip
+            messages = dict(conn.execute(select(Job.id, Job.messages)).all())
         firsts = {c.row_index: c.id for c in conversations if c.sample == 0}
         for c in conversations:
             assert c.first_sample == (None if c.sample == 0 else firsts[c.row_index])
         turns = [j for j in jobs_of(repo) if j["conversation_id"] is not None]
-        seeds = {c.id: (c.sample, c.sampling_seed) for c in conversations}
-        for j in turns:  # every turn is sent with its conversation's sample and seed
-            assert (j["sample"], j["sampling_seed"]) == seeds[j["conversation_id"]]
-            assert list(j["output_ids"]) == asked_again(sim.url, j)
+        assert any(j["turn"] for j in turns), "no conversation reached a later turn"
+        of = {c.id: c for c in conversations}
+        hf = AutoTokenizer.from_pretrained(str(family), local_files_only=True)
+        for j in turns:  # every turn is sent with its conversation's sample, variant and seed
+            c = of[j["conversation_id"]]
+            assert (j["sample"], j["variant"], j["sampling_seed"]) == (
+                c.sample,
+                c.variant,
+                c.sampling_seed,
+            )
+            if j["output_ids"] is not None:
+                assert list(j["output_ids"]) == asked_again(sim.url, j)
+            # Each turn, the later ones templated by the advancer too, with its variant's
+            # template kwargs.
+            kwargs = {"enable_thinking": False} if c.variant == "off" else {}
+            stored = messages[j["id"]]
+            text = hf.apply_chat_template(
+                stored["messages"], tools=stored["tools"], add_generation_prompt=True,
+                tokenize=False, **kwargs,
+            )  # fmt: skip
+            assert list(j["ids"]) == hf.encode(text, add_special_tokens=False)
+        assert {c.variant for c in conversations} == {"think", "off"}
     out = export_rows(repo, tmp_path / "out", Filters())
     ids = {row["id"] for _, row in out}
     for c in conversations:

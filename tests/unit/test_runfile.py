@@ -100,6 +100,17 @@ def test_sampling_precedence_is_defaults_then_run_then_dataset(tmp_path: Path) -
             '[[datasets]]\nname="a"\npath="y"',
             "unique",
         ),
+        ('run = "r"\ntokenizer = "t"\n[[datasets]]\nname="a"\npath="x"\nsamples=0', "samples"),
+        (
+            'run = "r"\ntokenizer = "t"\n[[datasets]]\nname="a"\npath="x"\n'
+            '[[datasets.variants]]\nname="v"\n[[datasets.variants]]\nname="v"',
+            "variant names must be unique",
+        ),
+        (
+            'run = "r"\ntokenizer = "t"\n[[datasets]]\nname="a"\npath="x"\n'
+            '[[datasets.variants]]\nname="v"\nweight=0',
+            "datasets.0.variants.0.weight",
+        ),
     ],
 )
 def test_bad_run_files_name_the_file_and_the_field(tmp_path: Path, text: str, needle: str) -> None:
@@ -190,3 +201,23 @@ def test_turns_is_all_or_last_per_dataset_and_unset_by_default(tmp_path: Path) -
             sampling={},
             turns="every",
         )
+
+
+def test_samples_and_variants_are_read_and_a_variants_sampling_is_checked(
+    tmp_path: Path,
+) -> None:
+    text = RUN_FILE.replace(
+        'budget_tokens = "10M"',
+        'budget_tokens = "10M"\nsamples = 4\n[[datasets.variants]]\nname = "think"\n'
+        "weight = 3\nsampling = { temperature = 0.6 }\n[[datasets.variants]]\n"
+        'name = "fast"\nchat_template_kwargs = { thinking = false }',
+    )
+    chat, tools = plan_from_run_file(load_run_file(write(tmp_path, text))).datasets
+    assert chat.samples == 4 and tools.samples is None and tools.variants is None
+    assert chat.variants is not None
+    think, fast = chat.variants
+    assert (think.name, think.weight, dict(think.sampling)) == ("think", 3.0, {"temperature": 0.6})
+    assert (fast.weight, dict(fast.template)) == (1.0, {"thinking": False})
+    bad = text.replace("temperature = 0.6", "n = 2")
+    with pytest.raises(ValueError, match="dataset 'chat', variant 'think': sampling: 'n' cannot"):
+        plan_from_run_file(load_run_file(write(tmp_path, bad)))
