@@ -320,6 +320,8 @@ def _enqueue_datasets(
                 sinks[dataset.name].budget_tokens,
                 dataset.budget_basis,
                 turns=sinks[dataset.name].turns,
+                samples=sinks[dataset.name].samples.samples,
+                variants=tuple(v.name for v in sinks[dataset.name].samples.variants),
             )
             enqueue_dataset(
                 preparer, plan, dataset, sinks[dataset.name], stats, progress, max_row_bytes

@@ -44,6 +44,10 @@ class DatasetStats:
     # Turns the new conversations will have at most (their answer points; a conversation
     # may end sooner): each a job once the one before it is done.
     conversation_turns: int = 0
+    # Generations asked of each prompt and the variants' names (core.samples): ``accepted``
+    # counts every sample's job.
+    samples: int = 1
+    variants: tuple[str, ...] = ()
 
     @property
     def rejected(self) -> int:
@@ -71,6 +75,8 @@ class DatasetStats:
             "budget_tokens": self.budget_tokens,
             "budget_basis": self.budget_basis.value,
             "turns": self.turns,
+            "samples": self.samples,
+            "variants": list(self.variants),
             "conversations": {
                 "new": self.conversations,
                 "turns_to_come": self.conversation_turns,

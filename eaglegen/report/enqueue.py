@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-from eaglegen.report.text import shown
+from eaglegen.report.text import inline, shown
 from models.ledger import format_tokens
 from producer.enqueue import RunReport
 
@@ -36,7 +36,7 @@ def enqueue_table(report: RunReport) -> Table:
         table.add_row(
             shown(stats.dataset),
             f"{doc['rows']:,}",
-            f"{doc['accepted']:,}",
+            f"{doc['accepted']:,}" + _samples_note(doc),
             f"{doc['rejected']:,}" + (f" ({reasons})" if reasons else ""),
             f"{doc['duplicates']:,}",
             turns_cell(doc),
@@ -45,6 +45,15 @@ def enqueue_table(report: RunReport) -> Table:
             format_tokens(doc["budget_tokens"]),
         )
     return table
+
+
+def _samples_note(doc: dict[str, Any]) -> str:
+    """How the accepted jobs are samples of prompts, when the dataset asks several or has
+    variants."""
+    if doc["samples"] <= 1 and not doc["variants"]:
+        return ""
+    variants = f", variants {', '.join(doc['variants'])}" if doc["variants"] else ""
+    return inline(f" ({doc['samples']} per prompt{variants})")
 
 
 def turns_cell(doc: dict[str, Any]) -> str:

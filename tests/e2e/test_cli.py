@@ -154,10 +154,15 @@ chat_template_kwargs = {{ thinking = false }}
     env = service_env(settings)
     dry = eaglegen("enqueue", str(run_file(4)), "--dry-run", "--json", env=env)
     assert dry.returncode == 0, dry.stderr
-    assert json.loads(dry.stdout)["datasets"]["chat"]["accepted"] == 40
-    done = eaglegen("enqueue", str(run_file(4)), "--json", env=env)
+    planned = json.loads(dry.stdout)["datasets"]["chat"]
+    assert (planned["accepted"], planned["samples"], planned["variants"]) == (
+        40,
+        4,
+        ["think", "fast"],
+    )
+    done = eaglegen("enqueue", str(run_file(4)), env={**env, "COLUMNS": "200"})
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["datasets"]["chat"]["accepted"] == 40
+    assert "40 (4 per prompt, variants think, fast)" in done.stderr
     status = eaglegen("status", "--json", env=env)
     assert status.returncode == 0, status.stderr
     [chat] = json.loads(status.stdout)["datasets"]

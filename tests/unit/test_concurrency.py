@@ -120,14 +120,25 @@ def test_shrinks_on_a_growing_queue_towards_running_plus_headroom() -> None:
     assert grown.limit >= 50 + headroom
 
 
-def test_a_long_queue_is_trimmed_multiplicatively_down_to_the_servers_capacity() -> None:
+def test_a_queue_longer_than_a_batch_that_stopped_growing_is_cut_to_the_knee_at_once() -> None:
     controller = ConcurrencyController(1024)
     limits = []
     for _ in range(40):
         limits.append(controller.update(sample(50, queued=974, usage=0.9, in_flight=1024)).limit)
-    assert limits[0] == math.floor(TUNING.backoff * 1024)
-    assert limits == sorted(limits, reverse=True)
-    assert limits[-1] == 50 + TUNING.headroom(50)
+    # The first sample cannot tell a full batch from one still filling: a 20% trim; the
+    # next is held; the third sees the batch flat and goes to capacity + headroom.
+    knee = 50 + TUNING.headroom(50)
+    assert limits[:3] == [math.floor(TUNING.backoff * 1024), limits[0], knee]
+    assert set(limits[2:]) == {knee}
+
+
+def test_a_long_queue_at_a_batch_still_filling_is_trimmed_by_at_most_the_backoff() -> None:
+    controller = ConcurrencyController(1024)
+    limits = []
+    for running in range(20, 220, 10):  # the server admits more every sample
+        limits.append(controller.update(sample(running, queued=900, in_flight=1024)).limit)
+    cuts = [after / before for before, after in itertools.pairwise(limits) if after < before]
+    assert cuts and min(cuts) >= TUNING.backoff - 0.01  # never the deep cut
 
 
 def test_bounded_by_min_and_max() -> None:
