@@ -50,7 +50,7 @@ from exporter.manifest import (
 from exporter.roundtrip import RoundTrips
 from exporter.rows import TokenRow, select_row
 from exporter.shaping import ConversationShaper, ValidityCheck
-from exporter.split import TRAIN, VAL, conversation_key, split_key, split_of
+from exporter.split import TRAIN, VAL, split_key, split_of
 from exporter.tally import Tally
 from exporter.tokenizer import RunTokenizer, for_run, run_stop_ids
 from exporter.usage import how_to_load
@@ -316,8 +316,10 @@ def _export_whole(
     dataset = conversation.dataset
     for reason, turns in outcome.removed:
         tally.removed(dataset, reason, turns)
-    key = split_key(conversation.turns[0].generation) if conversation.turns else None
-    split = split_of(key or conversation_key(conversation.id), options.seed, options.val_fraction)
+    # Its turns' key: its own, or its sample 0's (a conversation read has a turn at least).
+    split = split_of(
+        split_key(conversation.turns[0].generation), options.seed, options.val_fraction
+    )
     for written in outcome.rows:
         writers[split].add(written.row)
         tally.exported(dataset, split, cut=written.cut, length=written.length, turns=written.turns)

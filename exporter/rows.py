@@ -34,9 +34,7 @@ def stem(gen: ExportedGeneration) -> str:
     """What ``gen``'s row ids begin with: its job, or its conversation; in a dataset of
     several samples or variants, its prompt's (its sample 0's) and its sample's:
     ``<prompt>_gen<k>``."""
-    if gen.sampled:
-        return f"{gen.first}_gen{gen.sample}"
-    return str(gen.job_id if gen.conversation_id is None else gen.conversation_id)
+    return f"{gen.prompt_key}_gen{gen.sample}" if gen.sampled else str(gen.prompt_key)
 
 
 def row_id(gen: ExportedGeneration) -> str:

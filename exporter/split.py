@@ -28,8 +28,7 @@ def check_fraction(val_fraction: float) -> float:
 
 def split_key(gen: ExportedGeneration) -> int | str:
     """What decides ``gen``'s split: its job id, or its conversation (its sample 0's)."""
-    first = gen.first or (gen.job_id if gen.conversation_id is None else gen.conversation_id)
-    return first if gen.conversation_id is None else conversation_key(first)
+    return gen.prompt_key if gen.conversation_id is None else conversation_key(gen.prompt_key)
 
 
 def conversation_key(conversation_id: int) -> str:

@@ -29,6 +29,7 @@ from models.ledger import (
     settled,
 )
 from models.records import Claim, ClaimedJob, GenerationRecord
+from models.schema import stored_prompt
 from models.states import JobState
 from models.tokens import pack, unpack
 
@@ -36,15 +37,13 @@ QUEUED, RUNNING = JobState.QUEUED, JobState.RUNNING
 
 # Win the job if it is still queued, and read its dataset's and run's facts in the same
 # statement (UPDATE ... FROM reads those rows without locking them).
-_TAKE = """
+_TAKE = f"""
 UPDATE jobs SET state = 'running', attempts = jobs.attempts + 1, worker = %(worker)s,
        lease_until = now() + make_interval(secs => %(lease)s), updated_at = now()
 FROM datasets, runs
 WHERE jobs.id = %(job)s AND jobs.state = 'queued'
   AND datasets.id = jobs.dataset_id AND runs.id = datasets.run_id
-RETURNING jobs.id, jobs.dataset_id,
-          COALESCE(jobs.input_ids, (SELECT h.input_ids FROM jobs h WHERE h.id = jobs.prompt_of))
-              AS input_ids,
+RETURNING jobs.id, jobs.dataset_id, {stored_prompt("input_ids")} AS input_ids,
           jobs.prompt_tokens, jobs.attempts, jobs.variant, jobs.sampling_seed,
           jobs.opens_reasoning, datasets.sampling_params, datasets.variants, datasets.budget_basis,
           datasets.reserve, datasets.observed_reserve_tokens,

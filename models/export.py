@@ -25,17 +25,19 @@ from sqlalchemy import (
     Select,
     any_,
     bindparam,
+    case,
     func,
+    literal_column,
     not_,
     select,
     type_coerce,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import ARRAY, JSON
 from sqlalchemy.orm import aliased
 
 from models.conversations import DONE, ENDED
 from models.records import ExportCursor, ExportedGeneration, ExportRun
-from models.schema import Conversation, Dataset, Generation, Job, Run
+from models.schema import Conversation, Dataset, Generation, Job, Run, stored_prompt
 from models.states import JobState
 
 # The states after which a conversation has no turn to come.
@@ -46,8 +48,16 @@ FINAL = (DONE, ENDED)
 # still cross in few round trips.
 _YIELD_ROWS = 256
 _T = TypeVar("_T")
-# The job holding a sample's prompt ids and messages when it holds none (jobs.prompt_of).
-_Holder = aliased(Job, name="holder")
+_PromptOf = aliased(Conversation, name="sample_zero")
+
+
+# The conversation of a turn's sample 0 (itself unless the dataset has several samples).
+_FIRST_CONVERSATION = case(
+    (Job.conversation_id.is_(None), None),
+    else_=select(func.coalesce(_PromptOf.first_sample, _PromptOf.id))
+    .where(_PromptOf.id == Job.conversation_id)
+    .scalar_subquery(),
+)
 
 
 @dataclass(frozen=True)
@@ -228,9 +238,7 @@ def _done(run_id: int, datasets: Sequence[str] | None) -> Select[*tuple[Any, ...
             Generation.job_id,
             Dataset.name.label("dataset"),
             Job.row_index,
-            type_coerce(func.coalesce(Job.input_ids, _Holder.input_ids), LargeBinary).label(
-                "prompt_packed"
-            ),
+            literal_column(stored_prompt("input_ids"), LargeBinary).label("prompt_packed"),
             type_coerce(Generation.output_ids, LargeBinary).label("output_packed"),
             Generation.finish_type,
             Generation.completion_tokens,
@@ -246,15 +254,13 @@ def _done(run_id: int, datasets: Sequence[str] | None) -> Select[*tuple[Any, ...
             Job.sample,
             Job.variant,
             func.coalesce(Job.prompt_job, Job.id).label("first_job"),
-            func.coalesce(Conversation.first_sample, Conversation.id).label("first_conversation"),
+            _FIRST_CONVERSATION.label("first_conversation"),
             ((Dataset.samples > 1) | (func.jsonb_array_length(Dataset.variants) > 0)).label(
                 "sampled"
             ),
         )
         .join(Job, Job.id == Generation.job_id)
         .join(Dataset, Dataset.id == Job.dataset_id)
-        .outerjoin(_Holder, _Holder.id == Job.prompt_of)
-        .outerjoin(Conversation, Conversation.id == Job.conversation_id)
         .where(Dataset.run_id == run_id, Job.state == JobState.DONE.value)
     )
     if datasets is not None:
@@ -293,6 +299,7 @@ def _turns(
             Conversation.ended_reason,
             Conversation.updated_at.label("conversation_at"),
         )
+        .join(Conversation, Conversation.id == Job.conversation_id)
         .where(Conversation.state.in_(FINAL))
         .order_by(Job.conversation_id, Job.turn)
     )
@@ -311,7 +318,7 @@ def _ids(name: str, ids: frozenset[int]) -> Any:
 
 def _with_prompt(stmt: Select[*tuple[Any, ...]]) -> Select[*tuple[Any, ...]]:
     return stmt.add_columns(
-        func.coalesce(Job.messages, _Holder.messages).label("messages"), Job.opens_reasoning
+        literal_column(stored_prompt("messages"), JSON).label("messages"), Job.opens_reasoning
     )
 
 

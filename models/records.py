@@ -129,7 +129,7 @@ class SampleColumns:
 
     sample: int
     variant: str | None
-    sampling_seed: int
+    sampling_seed: int | None
     # The identity of its prompt's sample 0 (None: it is sample 0), and that of the job
     # holding its prompt ids and messages (None: it holds them itself).
     first: bytes | None = None
@@ -421,12 +421,19 @@ class ExportedGeneration:
     conversation_id: int | None = None
     turn: int | None = None
     # Its prompt's sample (core.samples) and variant; ``first``: the job (a conversation's
-    # turn: the conversation) of its prompt's sample 0, itself for sample 0 (0: unknown);
-    # ``sampled``: its dataset asks several samples or has variants (ids say the sample).
+    # turn: the conversation) of its prompt's sample 0 (None: its own); ``sampled``: its
+    # dataset asks several samples or has variants (its ids say the sample).
     sample: int = 0
     variant: str | None = None
-    first: int = 0
+    first: int | None = None
     sampled: bool = False
+
+    @property
+    def prompt_key(self) -> int:
+        """The job (a conversation's turn: the conversation) of its prompt's sample 0."""
+        if self.first is not None:
+            return self.first
+        return self.job_id if self.conversation_id is None else self.conversation_id
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any
@@ -28,6 +29,7 @@ from models.records import (
     NewJob,
     Rejection,
     RunSpec,
+    SampleColumns,
 )
 from models.rejected import RejectedQueries
 from models.schema import Dataset, Generation, Job, RejectedRow, Run
@@ -49,108 +51,65 @@ class DatasetMismatchError(ValueError):
 # them than the whole COPY takes. Where the caller expects every job to be new, they are
 # copied straight into `jobs` with ids drawn beforehand (a fifth less server CPU); one that
 # exists after all fails that COPY, and the batch goes through the staging table instead.
+#
+# Samples of a prompt (core.samples) are staged with their sample columns and inserted one
+# sample index at a time, lowest first: a job names jobs of lower samples (its sample 0, the
+# holder of its prompt ids) by identity, found by the unique key once an earlier statement
+# or enqueue inserted them. A sample whose ids another holds stores NULL ids and messages.
+# A batch of plain jobs is all sample 0 and names nothing: one statement.
 _CREATE_STAGE = """
     CREATE TEMP TABLE IF NOT EXISTS job_stage (
         row_index integer, prompt_sha256 bytea, input_ids bytea, prompt_tokens integer,
-        messages text, opens_reasoning boolean, sort_key bigint
+        messages text, opens_reasoning boolean, sort_key bigint, sample integer,
+        variant text, sampling_seed bigint, first_sha bytea, holder_sha bytea
     ) ON COMMIT DELETE ROWS
 """
 _COPY_STAGE = "COPY job_stage FROM STDIN (FORMAT BINARY)"
-_STAGE_TYPES = ("integer", "bytea", "bytea", "integer", "text", "bool", "bigint")
+_KEYED_TYPES = ("integer", "bytea", "bytea", "integer", "text", "bool", "bigint")
+_STAGE_TYPES = (*_KEYED_TYPES, "integer", "text", "bigint", "bytea", "bytea")
 _NEW_IDS = "SELECT nextval(pg_get_serial_sequence('jobs', 'id')) FROM generate_series(1, %s)"
 _COPY_JOBS = (
     "COPY jobs (id, dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages,"
     " opens_reasoning, sort_key) FROM STDIN (FORMAT BINARY)"
 )
 # The messages are JSON text already, and json's binary form is its text.
-_JOB_TYPES = ("bigint", "bigint", "integer", "bytea", "bytea", "integer", "text", "bool", "bigint")
-_INSERT_STAGED = """
-    INSERT INTO jobs (
-        dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages, opens_reasoning,
-        sort_key
-    )
-    SELECT %s, row_index, prompt_sha256, input_ids, prompt_tokens, messages::json, opens_reasoning,
-        sort_key
-    FROM job_stage ORDER BY row_index
-    ON CONFLICT (dataset_id, prompt_sha256) DO NOTHING
-    RETURNING id
-"""
-
-
-# Samples of prompts (JobBatch.sampled) are staged with their sample columns and inserted
-# one sample index at a time, lowest first: a job names the jobs of lower samples (its
-# sample 0, the holder of its prompt ids) by identity, found by the unique key once
-# inserted by an earlier statement or an earlier enqueue. A sample that holds no ids of
-# its own stores NULL ids and messages.
-_CREATE_SAMPLE_STAGE = """
-    CREATE TEMP TABLE IF NOT EXISTS sample_stage (
-        row_index integer, prompt_sha256 bytea, input_ids bytea, prompt_tokens integer,
-        messages text, opens_reasoning boolean, sort_key bigint, sample integer,
-        variant text, sampling_seed bigint, first_sha bytea, holder_sha bytea
-    ) ON COMMIT DELETE ROWS
-"""
-_COPY_SAMPLE_STAGE = "COPY sample_stage FROM STDIN (FORMAT BINARY)"
-_SAMPLE_STAGE_TYPES = (
-    *_STAGE_TYPES,
-    "integer",
-    "text",
-    "bigint",
-    "bytea",
-    "bytea",
+_JOB_TYPES = ("bigint", "bigint", *_KEYED_TYPES)
+# Jobs named by identity are looked up one by one (a subquery per row, by the unique index),
+# and only for the rows that name one: a plain batch does no lookup at all.
+_BY_IDENTITY = (
+    "CASE WHEN s.{column} IS NOT NULL THEN (SELECT j.id FROM jobs j"
+    " WHERE j.dataset_id = %(dataset)s AND j.prompt_sha256 = s.{column}) END"
 )
-_INSERT_SAMPLE = """
+_INSERT_STAGED = f"""
     INSERT INTO jobs (
         dataset_id, row_index, prompt_sha256, input_ids, prompt_tokens, messages, opens_reasoning,
         sort_key, sample, variant, sampling_seed, prompt_job, prompt_of
     )
-    SELECT %(dataset)s, s.row_index, s.prompt_sha256,
-        CASE WHEN s.holder_sha IS NULL THEN s.input_ids END, s.prompt_tokens,
-        CASE WHEN s.holder_sha IS NULL THEN s.messages::json END, s.opens_reasoning,
-        s.sort_key, s.sample, s.variant, s.sampling_seed, first.id, holder.id
-    FROM sample_stage s
-    LEFT JOIN jobs first ON first.dataset_id = %(dataset)s AND first.prompt_sha256 = s.first_sha
-    LEFT JOIN jobs holder
-        ON holder.dataset_id = %(dataset)s AND holder.prompt_sha256 = s.holder_sha
-    WHERE s.sample = %(sample)s AND (s.holder_sha IS NULL OR holder.id IS NOT NULL)
-    ORDER BY s.row_index
+    SELECT %(dataset)s, row_index, prompt_sha256,
+        CASE WHEN holder_sha IS NULL THEN input_ids END, prompt_tokens,
+        CASE WHEN holder_sha IS NULL THEN messages::json END, opens_reasoning,
+        sort_key, sample, variant, sampling_seed, first_id, holder_id
+    FROM (
+        SELECT s.*, {_BY_IDENTITY.format(column="first_sha")} AS first_id,
+            {_BY_IDENTITY.format(column="holder_sha")} AS holder_id
+        FROM job_stage s WHERE s.sample = %(sample)s
+    ) staged
+    WHERE holder_sha IS NULL OR holder_id IS NOT NULL
+    ORDER BY row_index
     ON CONFLICT (dataset_id, prompt_sha256) DO NOTHING
     RETURNING id
 """
-
-
-def _insert_samples(
-    cursor: psycopg.Cursor[Any], dataset_id: int, batch: JobBatch, seed: int
-) -> list[int]:
-    """Stage the batch's samples, then insert what the dataset lacks, sample by sample."""
-    cursor.execute(_CREATE_SAMPLE_STAGE)
-    with cursor.copy(_COPY_SAMPLE_STAGE) as copy:
-        copy.set_types(_SAMPLE_STAGE_TYPES)
-        for row, columns in zip(batch.rows(), batch.samples, strict=True):
-            # Every sample of a prompt takes its sample 0's place in the order: a budget
-            # that stops the dataset stops it between prompts, each with all its samples.
-            key = sort_key(seed, columns.first or row[1])
-            copy.write_row(
-                (
-                    *row,
-                    key,
-                    columns.sample,
-                    columns.variant,
-                    columns.sampling_seed,
-                    columns.first,
-                    columns.holder,
-                )
-            )
-    ids: list[int] = []
-    for sample in sorted({c.sample for c in batch.samples}):
-        cursor.execute(_INSERT_SAMPLE, {"dataset": dataset_id, "sample": sample})
-        ids += [int(r[0]) for r in cursor.fetchall()]
-    return sorted(ids)
+# The sample columns of a plain job.
+_PLAIN = SampleColumns(0, None, None)
 
 
 def _keyed_rows(batch: JobBatch, seed: int) -> Iterator[tuple[Any, ...]]:
-    """The batch's rows, each with its sort key (models.order) appended."""
-    for row in batch.rows():
-        yield (*row, sort_key(seed, row[1]))
+    """The batch's rows, each with its sort key (models.order) appended: every sample of a
+    prompt takes its sample 0's place, so a budget that stops the dataset stops it between
+    prompts, each with all its samples."""
+    columns = batch.samples or itertools.repeat(_PLAIN)
+    for row, sample in zip(batch.rows(), columns, strict=False):
+        yield (*row, sort_key(seed, sample.first or row[1]))
 
 
 def _copy_new_jobs(
@@ -176,14 +135,19 @@ def _copy_new_jobs(
 def _insert_staged(
     cursor: psycopg.Cursor[Any], dataset_id: int, batch: JobBatch, seed: int
 ) -> list[int]:
-    """Stage the batch, then insert what the dataset lacks: the ids of those."""
+    """Stage the batch, then insert what the dataset lacks, sample index by sample index:
+    the ids of those."""
     cursor.execute(_CREATE_STAGE)
+    columns = batch.samples or [_PLAIN] * len(batch)
     with cursor.copy(_COPY_STAGE) as copy:
         copy.set_types(_STAGE_TYPES)
-        for row in _keyed_rows(batch, seed):
-            copy.write_row(row)
-    cursor.execute(_INSERT_STAGED, (dataset_id,))
-    return [int(r[0]) for r in cursor.fetchall()]
+        for row, c in zip(_keyed_rows(batch, seed), columns, strict=True):
+            copy.write_row((*row, c.sample, c.variant, c.sampling_seed, c.first, c.holder))
+    ids: list[int] = []
+    for sample in sorted({c.sample for c in columns}):
+        cursor.execute(_INSERT_STAGED, {"dataset": dataset_id, "sample": sample})
+        ids += [int(r[0]) for r in cursor.fetchall()]
+    return ids
 
 
 class Repository(
@@ -379,12 +343,9 @@ class Repository(
         with self.engine.begin() as conn:
             seed = dataset_order_seed(conn, dataset_id)
             with driver_cursor(conn) as cursor:
-                if batch.sampled:
-                    ids: list[int] | None = _insert_samples(cursor, dataset_id, batch, seed)
-                elif expect_new:
-                    ids = _copy_new_jobs(cursor, dataset_id, batch, seed)
-                else:
-                    ids = None
+                # Samples name each other: only the staged insert can (see above).
+                fast = expect_new and not batch.sampled
+                ids = _copy_new_jobs(cursor, dataset_id, batch, seed) if fast else None
                 if ids is None:
                     ids = _insert_staged(cursor, dataset_id, batch, seed)
             if ids:

@@ -204,6 +204,16 @@ class Job(Base):
     )
 
 
+def stored_prompt(column: str, job: str = "jobs") -> str:
+    """SQL for the ``column`` (``input_ids`` or ``messages``) of the job ``job`` (a table
+    name or alias in the query): its own, or its holder's when it stores none
+    (``prompt_of``). A subquery read only for such rows: a plain job's costs nothing."""
+    return (
+        f"CASE WHEN {job}.prompt_of IS NULL THEN {job}.{column} ELSE "
+        f"(SELECT holder.{column} FROM jobs holder WHERE holder.id = {job}.prompt_of) END"
+    )
+
+
 class Conversation(Base):
     """A multi-turn row answered turn by turn on-policy (core.dialogue): the row as
     normalised, how many answer points it has and how many turns (jobs) exist so far.

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import Engine, text
 
 from core.tokenizer import stored_stop_ids
+from models.schema import stored_prompt
 from models.tokens import pack, unpack
 
 # Percentiles every distribution reports, in this order.
@@ -164,14 +165,12 @@ _STATES = """
 # A job's declared tools (json null when none). Its messages are json, kept as written, and
 # Postgres refuses a document once it must unescape a string holding \u0000 (a decoded
 # answer may hold NUL): such a document is read with that escape replaced, which changes no
-# key and no tool. A sample that stores no prompt reads its holder's (``h``, joined by
-# _HOLDER in every query that reads them).
-_MESSAGES = "COALESCE(j.messages, h.messages)"
+# key and no tool. A sample that stores no prompt reads its holder's.
+_MESSAGES = stored_prompt("messages", "j")
 _TOOLS = (
     f"(CASE WHEN strpos({_MESSAGES}::text, '\\u0000') = 0 THEN {_MESSAGES}"
     f" ELSE replace({_MESSAGES}::text, '\\u0000', '\\ufffd')::json END) -> 'tools'"
 )
-_HOLDER = "LEFT JOIN jobs h ON h.id = j.prompt_of"
 
 # The rows whose ids hold a tool-call marker, for the token-level checks; a marker's 4
 # bytes may also match across two ids, which dissecting the row rules out. ``tools`` is
@@ -182,7 +181,6 @@ _TOOL_ROWS = f"""
     FROM generations g
     JOIN jobs j ON j.id = g.job_id
     JOIN datasets d ON d.id = j.dataset_id
-    {_HOLDER}
     WHERE d.run_id = :run AND j.state = 'done' AND d.name = ANY(:names)
       AND EXISTS (SELECT 1 FROM unnest(CAST(:patterns AS bytea[])) m
                   WHERE position(m IN g.output_ids) > 0)
@@ -207,14 +205,13 @@ _TOOL_SCOPE = f"""
     FROM generations g
     JOIN jobs j ON j.id = g.job_id
     JOIN datasets d ON d.id = j.dataset_id
-    {_HOLDER}
     WHERE d.run_id = :run AND j.state = 'done' AND d.name = ANY(:names) {{sample}}
     GROUP BY d.name
 """
 
 _DETAIL = f"""
     SELECT j.id AS job_id, r.name AS run, d.name AS dataset, j.row_index, j.state,
-           COALESCE(j.input_ids, h.input_ids) AS input_ids, j.opens_reasoning AS opens,
+           {stored_prompt("input_ids", "j")} AS input_ids, j.opens_reasoning AS opens,
            {_TOOLS} AS tools,
            d.sampling_params, g.output_ids, g.finish_type, g.finish_matched,
            g.completion_tokens, g.prompt_tokens, g.cached_tokens, g.e2e_latency, g.server,
@@ -223,7 +220,6 @@ _DETAIL = f"""
     FROM jobs j
     JOIN datasets d ON d.id = j.dataset_id
     JOIN runs r ON r.id = d.run_id
-    {_HOLDER}
     LEFT JOIN generations g ON g.job_id = j.id
     WHERE j.id = :job
 """

@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import Engine, Select, column, func, select, table, text
 from sqlalchemy.dialects.postgresql import JSONB
 
+from core.samples import variants_of
 from models.ledger import BudgetBasis, ReservePolicy, reservation
 from models.records import DatasetStatus, ServerStatus, StatusSnapshot, Window
 from models.states import JobState
@@ -272,7 +273,7 @@ def _dataset(
         by_state[c.state if c.ended_reason is None else f"ended: {c.ended_reason}"] += int(c.n)
     return DatasetStatus(
         samples=int(row.samples),
-        variants=tuple((str(v["name"]), float(v.get("weight", 1.0))) for v in row.variants or ()),
+        variants=tuple((v.name, v.weight) for v in variants_of(row.variants)),
         turns=str(row.turns),
         conversations=dict(by_state),
         turns_to_come=_turns_to_come(conversations),

@@ -430,7 +430,12 @@ def _sinks(
             d.name: DrySink(
                 d.budget_tokens,
                 d.turns or "all",
-                samples=sample_plan(plan, d.samples or 1, d.variants or (), plan.order_seed or 0),
+                samples=SamplePlan.of(
+                    d.samples or 1,
+                    d.variants or (),
+                    plan.order_seed or 0,
+                    plan.chat_template_kwargs,
+                ),
             )
             for d in plan.datasets
         }
@@ -460,19 +465,11 @@ def _sinks(
             dataset_id,
             repo.budget_of(dataset_id),
             repo.dataset_turns(dataset_id),
-            samples=sample_plan(plan, samples, variants_of(variants), order_seed),
+            samples=SamplePlan.of(
+                samples, variants_of(variants), order_seed, plan.chat_template_kwargs
+            ),
         )
     return sinks
-
-
-def sample_plan(
-    plan: RunPlan, samples: int, variants: Sequence[Variant], order_seed: int
-) -> SamplePlan:
-    """A dataset's samples and variants; those of its variants whose template kwargs
-    change the run's template its rows again."""
-    kwargs = plan.chat_template_kwargs
-    own = frozenset(v.name for v in variants if {**kwargs, **v.template} != kwargs)
-    return SamplePlan(samples, tuple(variants), order_seed, own)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from core.samples import Variant, choose_variant, sample_identity, sampling_seed
 from models.records import JobBatch, NewConversation, Rejection, SampleColumns, prompt_sha256
@@ -37,9 +38,26 @@ class SamplePlan:
         """Whether jobs carry sample columns: several samples, or variants."""
         return self.samples > 1 or bool(self.variants)
 
+    @classmethod
+    def of(
+        cls,
+        samples: int,
+        variants: Sequence[Variant],
+        order_seed: int,
+        run_kwargs: Mapping[str, Any],
+    ) -> SamplePlan:
+        """A dataset's samples and variants; those of its variants whose template kwargs
+        change the run's (``run_kwargs``) template its rows again."""
+        own = frozenset(v.name for v in variants if {**run_kwargs, **v.template} != run_kwargs)
+        return cls(samples, tuple(variants), order_seed, own)
+
     def draw(self, digest: bytes, sample: int) -> Variant | None:
         """The variant of the prompt ``digest``'s ``sample``."""
         return choose_variant(self.order_seed, digest, sample, self.variants)
+
+    def templated_apart(self, variant: Variant | None) -> bool:
+        """Whether a sample of ``variant`` has its own prompt (its template kwargs)."""
+        return variant is not None and variant.name in self.own_template
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,16 @@ class _Prompt:
     tokens: int
     messages: str
     opens_reasoning: bool
+
+    @classmethod
+    def at(cls, batch: JobBatch, i: int) -> _Prompt:
+        """The ``i``-th job's prompt of ``batch``."""
+        return cls(
+            batch.packed_ids[i],
+            batch.prompt_tokens[i],
+            batch.messages_json[i],
+            batch.opens_reasoning[i],
+        )
 
 
 def expand(
@@ -65,19 +93,14 @@ def expand(
     alternates, rejections = _alternates(plan, rows, draws, prepare)
     base_rows = zip(prepared.jobs.row_index, prepared.jobs.prompt_sha256, strict=True)
     for i, (row_index, sha) in enumerate(base_rows):
-        base = _Prompt(
-            prepared.jobs.packed_ids[i],
-            prepared.jobs.prompt_tokens[i],
-            prepared.jobs.messages_json[i],
-            prepared.jobs.opens_reasoning[i],
-        )
+        base = _Prompt.at(prepared.jobs, i)
         holders: dict[bytes, bytes] = {}
         for sample, variant in enumerate(draws[row_index]):
             prompt = _prompt_of(plan, base, variant, alternates.get(row_index, {}))
-            if prompt is None:
+            if not isinstance(prompt, _Prompt):
                 continue
             identity = sample_identity(sha, sample)
-            ids_key = prompt_sha256(prompt.packed)
+            ids_key = sha if prompt is base else prompt_sha256(prompt.packed)
             holder = holders.setdefault(ids_key, identity)
             columns = SampleColumns(
                 sample,
@@ -126,17 +149,16 @@ def _alternates(
     out: _Alternate = {}
     rejections: list[Rejection] = []
     for variant in {v.name: v for d in draws.values() for v in d if v is not None}.values():
-        if variant.name not in plan.own_template:
+        if not plan.templated_apart(variant):
             continue
-        wanted = [by_index[r] for r, d in draws.items() if variant in d and r in by_index]
+        wanted = [
+            by_index[r]
+            for r, drawn in draws.items()
+            if r in by_index and any(v is not None and v.name == variant.name for v in drawn)
+        ]
         done = prepare(variant, wanted)
         for i, row_index in enumerate(done.jobs.row_index):
-            out.setdefault(row_index, {})[variant.name] = _Prompt(
-                done.jobs.packed_ids[i],
-                done.jobs.prompt_tokens[i],
-                done.jobs.messages_json[i],
-                done.jobs.opens_reasoning[i],
-            )
+            out.setdefault(row_index, {})[variant.name] = _Prompt.at(done.jobs, i)
         for c in done.conversations:
             out.setdefault(c.row_index, {})[variant.name] = c
         rejections += [
@@ -148,16 +170,17 @@ def _alternates(
 
 def _prompt_of(
     plan: SamplePlan,
-    base: _Prompt,
+    base: _Prompt | NewConversation,
     variant: Variant | None,
     alternates: Mapping[str, _Prompt | NewConversation],
-) -> _Prompt | None:
-    """A sample's prompt: its variant's own when the variant has a template of its own
-    (None: that template refused the row), else the base."""
-    if variant is None or variant.name not in plan.own_template:
+) -> _Prompt | NewConversation | None:
+    """A sample's prompt (a conversation's first turn): its variant's own when the variant
+    has a template of its own (None: that template refused the row), else the base."""
+    if not plan.templated_apart(variant):
         return base
+    assert variant is not None
     alternate = alternates.get(variant.name)
-    return alternate if isinstance(alternate, _Prompt) else None
+    return alternate if isinstance(alternate, type(base)) else None
 
 
 def _conversation_samples(
@@ -167,21 +190,19 @@ def _conversation_samples(
     alternates: _Alternate,
 ) -> list[NewConversation]:
     """A conversation row's samples, each its own conversation."""
+    row_digest = base.row_digest
     out = []
     for sample, variant in enumerate(draws):
-        first = base
-        if variant is not None and variant.name in plan.own_template:
-            alternate = alternates.get(base.row_index, {}).get(variant.name)
-            if not isinstance(alternate, NewConversation):
-                continue
-            first = alternate
+        first = _prompt_of(plan, base, variant, alternates.get(base.row_index, {}))
+        if not isinstance(first, NewConversation):
+            continue
         out.append(
             replace(
                 first,
                 source=base.source,
                 sample=sample,
                 variant=None if variant is None else variant.name,
-                sampling_seed=sampling_seed(plan.order_seed, base.row_digest, sample),
+                sampling_seed=sampling_seed(plan.order_seed, row_digest, sample),
             )
         )
     return out
