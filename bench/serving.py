@@ -66,6 +66,10 @@ other requirements, torch among them, are missing are expected):
 Run:
     .venv/bin/python -m bench.serving [--requests 2000] [--concurrency 64,256]
         [--modes plain,stream] [--rounds 3] [--max-new-tokens 192] [--incremental]
+        [--preset kimi-k2 --time-scale 0.2 | --decode-step-ms 0 --decode-ms-per-request 0]
+The simulator is a big KV pool with the decode timing given (default 10 ms a step + 0.05 ms
+a running request; 0 and 0 for a server that costs nothing, where the clients' own costs are
+all there is), or with --preset, that preset's server at --time-scale.
 Services: --database-url/--broker-url (default: this machine's Postgres and Redis; a scratch
 database eaglegen_bench_serving and Redis db 11, flushed).
 """
@@ -233,6 +237,11 @@ class Round:
     mean_in_flight: float
     cpu_s: dict[str, float]
     flushed: bool  # the broker's Redis db was emptied by someone else during the round
+    # The simulator's own clock over the round (GET /sim/stats): decode steps taken (the same
+    # tokens in fewer steps is fuller batches) and seconds of prefill passes, which stall
+    # every running request (arrivals spread out cost more passes than arrivals together).
+    decode_steps: int
+    prefill_s: float
 
     @property
     def tok_s(self) -> float:
@@ -245,7 +254,8 @@ class Round:
         return (
             f"  {self.side:13} {self.requests:,} requests, {self.tokens:,} tokens in "
             f"{self.seconds:.2f} s: {self.tok_s:,.0f} tok/s; in flight mean "
-            f"{self.mean_in_flight:.1f}, peak {self.peak_in_flight}; cpu s: {cpu}"
+            f"{self.mean_in_flight:.1f}, peak {self.peak_in_flight}; server: "
+            f"{self.decode_steps:,} decode steps, {self.prefill_s:.1f} s prefill; cpu s: {cpu}"
             + ("; DISTURBED: Redis db flushed during the round" if self.flushed else "")
         )
 
@@ -376,15 +386,28 @@ def measured(
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     children = _children_cpu_s()
     busy = machine_busy_s()
+    server = sim_stats(bench.sim_url)
     with Occupancy(bench.sim_url) as sampler:
         n, tokens, seconds = run()
+    server_after = sim_stats(bench.sim_url)
+    steps = int(server_after["decode_steps"] - server["decode_steps"])
+    prefill_s = float(server_after["prefill_seconds"] - server["prefill_seconds"])
     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     if side == "bench_serving":
         cpu["bench_serving"] = _children_cpu_s() - children
     cpu["machine"] = machine_busy_s() - busy
     flushed = not broker.exists(SENTINEL)
     broker.close()
-    return Round(side, n, tokens, seconds, sampler.peak, sampler.mean, cpu, flushed)
+    return Round(
+        side, n, tokens, seconds, sampler.peak, sampler.mean, cpu, flushed, steps, prefill_s
+    )
+
+
+def sim_stats(sim_url: str) -> dict[str, Any]:
+    """The simulator's own counters of its scheduler."""
+    response = httpx.get(f"{sim_url}/sim/stats", timeout=10)
+    response.raise_for_status()
+    return dict(response.json()["scheduler"])
 
 
 def _children_cpu_s() -> float:
@@ -548,7 +571,7 @@ def benchmark(args: argparse.Namespace) -> dict[Mode, list[tuple[Round, Round]]]
         print(
             f"{len(inputs):,} prompts (mean {mean:.1f} tokens), max_new_tokens "
             f"{args.max_new_tokens}, ignore_eos; {sglang_version(args.venv)}; simulator "
-            f"decode {args.decode_step_ms} ms + {args.decode_ms_per_request} ms/request; "
+            f"{server_line(args)}; "
             f"fields the simulator refuses, left out by bench_serving's driver: {drop or 'none'}",
             flush=True,
         )
@@ -558,6 +581,13 @@ def benchmark(args: argparse.Namespace) -> dict[Mode, list[tuple[Round, Round]]]
                 results[mode] = compare(bench, mode)
     repo.engine.dispose()
     return results
+
+
+def server_line(args: argparse.Namespace) -> str:
+    """The simulator's settings, as the report's header says them."""
+    if args.preset is not None:
+        return f"preset {args.preset} at time scale {args.time_scale}"
+    return f"decode {args.decode_step_ms} ms + {args.decode_ms_per_request} ms/request"
 
 
 def _ints(value: str) -> list[int]:
@@ -594,6 +624,12 @@ def main() -> None:
         action="store_true",
         help="the simulator streams only new ids (SGLang's --incremental-streaming-output)",
     )
+    parser.add_argument(
+        "--preset",
+        default=None,
+        help="a simulator preset (kimi-k2: where the server binds) instead of the timing below",
+    )
+    parser.add_argument("--time-scale", type=float, default=1.0, help="with --preset")
     parser.add_argument("--kv-tokens", type=int, default=2_000_000)
     parser.add_argument("--decode-step-ms", type=float, default=10.0)
     parser.add_argument("--decode-ms-per-request", type=float, default=0.05)

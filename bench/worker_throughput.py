@@ -159,12 +159,22 @@ def machine_busy_s() -> float:
 def sim_process(
     args: argparse.Namespace, log: Path
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """`eaglegen sim` on a free port, logging to ``log``; (process, url) once it listens."""
+    """`eaglegen sim` on a free port, logging to ``log``; (process, url) once it listens. The
+    server is ``args.preset`` at ``args.time_scale`` where the arguments name one (bench.serving),
+    else a big KV pool with ``args``' decode timing."""
+    preset = getattr(args, "preset", None)
+    server = (
+        ("--preset", preset, "--time-scale", str(args.time_scale))
+        if preset is not None
+        else (
+            *("--kv-tokens", str(args.kv_tokens), "--max-running-requests", "4096"),
+            *("--decode-step-ms", str(args.decode_step_ms)),
+            *("--decode-ms-per-request", str(args.decode_ms_per_request)),
+        )
+    )
     command = [
         *(sys.executable, "-m", "eaglegen", "sim", "--port", "0"),
-        *("--kv-tokens", str(args.kv_tokens), "--max-running-requests", "4096"),
-        *("--decode-step-ms", str(args.decode_step_ms)),
-        *("--decode-ms-per-request", str(args.decode_ms_per_request)),
+        *server,
         *("--stream-interval", str(args.stream_interval)),
         *(("--incremental-streaming-output",) if args.incremental else ()),
     ]
