@@ -6,7 +6,7 @@ do, instead of a driver traceback in the middle of a command.
 
 from __future__ import annotations
 
-from sqlalchemy import create_engine
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from core.urls import normalize_database_url, redact, scrub
@@ -19,13 +19,16 @@ class ServiceError(ValueError):
     """A service that cannot be used as it is; the message says what to do."""
 
 
-def check_database(url: str, *, schema: bool = True) -> None:
+def check_database(url: str, *, schema: bool = True, engine: Engine | None = None) -> None:
     """Raise ServiceError unless Postgres answers and (``schema``) its schema is at this
-    eaglegen's head."""
+    eaglegen's head: on ``engine`` when given (its pooled connection is then the command's
+    own, checked), else on a connection of its own."""
     known, heads = migrations()
-    engine = create_engine(
-        normalize_database_url(url), connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
-    )
+    own = engine is None
+    if engine is None:
+        engine = create_engine(
+            normalize_database_url(url), connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
+        )
     try:
         with engine.connect() as conn:
             current = schema_revisions(conn)
@@ -33,7 +36,8 @@ def check_database(url: str, *, schema: bool = True) -> None:
         reason = scrub(_first_line(exc), url)
         raise ServiceError(f"cannot use Postgres at {redact(url)}: {reason}") from exc
     finally:
-        engine.dispose()
+        if own:
+            engine.dispose()
     problem = schema_problem(current, heads, known) if schema else None
     if problem is not None:
         raise ServiceError(f"Postgres at {redact(url)}: {problem}")

@@ -32,10 +32,12 @@ def make_engine(
     async_commit: bool = False,
     hold_limit_ms: int | None = None,
     pre_ping: bool = True,
+    connect_timeout_s: int | None = None,
 ) -> Engine:
     """A pooled engine whose connections are checked before use (Postgres may restart;
     ``pre_ping`` False: they are not, and the first use of a stale one fails, after which
-    SQLAlchemy renews the whole pool).
+    SQLAlchemy renews the whole pool). ``connect_timeout_s``: how long a connection attempt
+    may wait for an unreachable host (libpq's default: for ever).
 
     At most ``pool_size`` + ``max_overflow`` (default: as many again) connections; a thread
     that finds none free waits for one (SQLAlchemy's TimeoutError after 30 s).
@@ -55,7 +57,9 @@ def make_engine(
             f"lock_timeout={hold_limit_ms}",
             f"idle_in_transaction_session_timeout={hold_limit_ms}",
         ]
-    options = {"options": " ".join(f"-c {s}" for s in settings)} if settings else {}
+    options: dict[str, Any] = {"options": " ".join(f"-c {s}" for s in settings)} if settings else {}
+    if connect_timeout_s is not None:
+        options["connect_timeout"] = connect_timeout_s
     return create_engine(
         normalize_database_url(url),
         pool_size=pool_size,

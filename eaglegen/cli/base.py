@@ -223,13 +223,40 @@ def database(settings: Settings, *, check_schema: bool = True) -> str:
     """
     from eaglegen import preflight
 
+    url = named_database(settings)
+    preflight.check_database(url, schema=check_schema)
+    return url
+
+
+def named_database(settings: Settings) -> str:
+    """The Postgres URL the settings name, or a ValueError saying how to give one."""
     if settings.database_url is None:
         raise ValueError(
             "no database: set EAGLEGEN_DATABASE_URL, pass --database-url or run `eaglegen up` "
             f"({no_stack(settings)})"
         )
-    preflight.check_database(settings.database_url, schema=check_schema)
     return settings.database_url
+
+
+@contextmanager
+def checked_connection(settings: Settings) -> Iterator[Engine]:
+    """`database` and `one_connection` in one: the check runs on the connection the command
+    then uses, instead of on one of its own (a connection fewer per command)."""
+    from eaglegen import preflight
+
+    url = named_database(settings)
+    with one_connection(url) as engine:
+        preflight.check_database(url, engine=engine)
+        yield engine
+
+
+@contextmanager
+def checked_repository(settings: Settings) -> Iterator[Repository]:
+    """A repository on `checked_connection`."""
+    from models.repository import Repository
+
+    with checked_connection(settings) as engine:
+        yield Repository(engine)
 
 
 def with_lock_retries(action: Callable[[], T], what: str) -> T:
@@ -267,11 +294,17 @@ def repository(database_url: str) -> Iterator[Repository]:
 def one_connection(database_url: str) -> Iterator[Engine]:
     """An engine of one pooled connection, disposed of afterwards: a repository's, or the
     engine of a command that reads through one models module alone (`status`)."""
+    from eaglegen import preflight
     from models.db import make_engine
 
     # A command waits at most CONTROL_LOCK_MS for a row lock, then retries (with_lock_retries):
     # a server session left waiting by a client that went away (Ctrl-C) ends by itself.
-    engine = make_engine(database_url, pool_size=1, hold_limit_ms=CONTROL_LOCK_MS)
+    engine = make_engine(
+        database_url,
+        pool_size=1,
+        hold_limit_ms=CONTROL_LOCK_MS,
+        connect_timeout_s=preflight.CONNECT_TIMEOUT_S,
+    )
     try:
         yield engine
     finally:

@@ -13,9 +13,9 @@ from eaglegen.cli.base import (
     DatabaseUrl,
     DataDir,
     JsonFlag,
+    checked_repository,
     command,
     console,
-    database,
     emit_json,
     err,
     load_settings,
@@ -39,7 +39,7 @@ def show(
     from eaglegen.report.budgets import budget_table
 
     settings = load_settings(database_url=database_url, data_dir=data_dir)
-    with repository(database(settings)) as repo:
+    with checked_repository(settings) as repo:
         rows = repo.budgets(None if run is None else check_name("run", run))
     if json_out:
         emit_json({"datasets": [asdict(r) for r in rows]})

@@ -11,8 +11,8 @@ from eaglegen.cli.base import (
     DatabaseUrl,
     DataDir,
     JsonFlag,
+    checked_repository,
     command,
-    database,
     emit_json,
     err,
     load_settings,
@@ -93,7 +93,7 @@ def audit(
     from eaglegen.report.audit import audit_document, audit_lines
 
     settings = load_settings(database_url=database_url, data_dir=data_dir)
-    with repository(database(settings)) as repo:
+    with checked_repository(settings) as repo:
         # A lease may lapse for up to one reconciler interval before it is noticed.
         problems = repo.audit(lease_grace_s=2 * settings.reconcile_interval_s)
         overshoot = repo.max_overshoot()

@@ -17,14 +17,13 @@ from eaglegen.cli.base import (
     DatabaseUrl,
     DataDir,
     JsonFlag,
+    checked_repository,
     command,
     console,
-    database,
     emit_json,
     err,
     load_settings,
     parse_servers,
-    repository,
 )
 from eaglegen.report.text import inline, shown, visible
 
@@ -80,7 +79,7 @@ def plan(
     settings = load_settings(
         database_url=database_url, data_dir=data_dir, servers=parse_servers(server or [])
     )
-    with repository(database(settings)) as repo:
+    with checked_repository(settings) as repo:
         name = _run_name(repo.plan_run(None if run is None else check_name("run", run)), run)
         lengths = repo.plan_lengths(name)
         snapshot = repo.status(name)

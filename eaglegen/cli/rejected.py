@@ -13,12 +13,11 @@ from eaglegen.cli.base import (
     DatabaseUrl,
     DataDir,
     JsonFlag,
+    checked_repository,
     command,
     console,
-    database,
     emit_json,
     load_settings,
-    repository,
 )
 from eaglegen.report.text import inline, shown
 
@@ -49,7 +48,7 @@ def rejected(
     if dataset is not None:
         check_name("dataset", dataset)
     settings = load_settings(database_url=database_url, data_dir=data_dir)
-    with repository(database(settings)) as repo:
+    with checked_repository(settings) as repo:
         listing = repo.rejected(run, dataset=dataset, reason=reason, limit=limit or None)
     if json_out:
         emit_json(

@@ -22,14 +22,14 @@ from eaglegen.cli.base import (
     DatabaseUrl,
     DataDir,
     JsonFlag,
+    checked_connection,
+    checked_repository,
     command,
     console,
-    database,
     emit_json,
     err,
     load_settings,
-    one_connection,
-    repository,
+    named_database,
 )
 from eaglegen.report.text import inline
 
@@ -64,8 +64,8 @@ def status(
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     name = None if run is None else check_name("run", run)
-    url = database(settings)
-    with one_connection(url) as engine:
+    with checked_connection(settings) as engine:
+        url = named_database(settings)
         if watch and not json_out:
             out = console()
             refresh = Refresh(
@@ -123,7 +123,7 @@ def metrics(
     check_metrics_exposure(host, public)
     settings = load_settings(database_url=database_url, data_dir=data_dir)
     name = None if run is None else check_name("run", run)
-    with repository(database(settings)) as repo:
+    with checked_repository(settings) as repo:
         registry = CollectorRegistry()
         registry.register(StatusCollector(lambda: repo.status(name)))
         server, thread = start_http_server(port, addr=host, registry=registry)
