@@ -542,7 +542,12 @@ def benchmark(args: argparse.Namespace) -> dict[Mode, list[tuple[Round, Round]]]
     logs = Path(tempfile.mkdtemp(prefix="eaglegen-bench-serving-"))
     print(f"logs, prompts and the bench_serving driver in {logs}", flush=True)
     results: dict[Mode, list[tuple[Round, Round]]] = {}
-    with sim_process(args, logs / "sim.log") as (sim, url):
+    preset = (
+        None
+        if args.preset is None
+        else ("--preset", args.preset, "--time-scale", str(args.time_scale))
+    )
+    with sim_process(args, logs / "sim.log", preset) as (sim, url):
         chat_rows = write_short_prompts(logs / "prompts.jsonl", args.requests)
         # bench_serving's prompts: the same file through the same producer, never consumed.
         unconsumed = settings.model_copy(update={"queue": "bench-unconsumed"})

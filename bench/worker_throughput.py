@@ -157,21 +157,17 @@ def machine_busy_s() -> float:
 
 @contextmanager
 def sim_process(
-    args: argparse.Namespace, log: Path
+    args: argparse.Namespace, log: Path, server: Sequence[str] | None = None
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """`eaglegen sim` on a free port, logging to ``log``; (process, url) once it listens. The
-    server is ``args.preset`` at ``args.time_scale`` where the arguments name one (bench.serving),
-    else a big KV pool with ``args``' decode timing."""
-    preset = getattr(args, "preset", None)
-    server = (
-        ("--preset", preset, "--time-scale", str(args.time_scale))
-        if preset is not None
-        else (
+    """`eaglegen sim` on a free port, logging to ``log``; (process, url) once it listens.
+    ``server``: the simulator's server flags, by default a big KV pool with ``args``' decode
+    timing."""
+    if server is None:
+        server = (
             *("--kv-tokens", str(args.kv_tokens), "--max-running-requests", "4096"),
             *("--decode-step-ms", str(args.decode_step_ms)),
             *("--decode-ms-per-request", str(args.decode_ms_per_request)),
         )
-    )
     command = [
         *(sys.executable, "-m", "eaglegen", "sim", "--port", "0"),
         *server,

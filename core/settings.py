@@ -2,24 +2,17 @@
 
 The service URLs are optional here (a command may need none of them); the command line
 resolves them once into ``Services``, which is what everything below it is handed.
-
-The environment is read by ``Settings`` itself (``environment``), not pydantic-settings: what
-that package offers beyond it (.env files, secrets folders, cloud sources) went unused here,
-and every command paid for its import at start-up (BENCHMARKS.md, "CLI start-up").
 """
 
 from __future__ import annotations
 
-import json
-import os
 import socket
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_origin
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.urls import normalize_database_url, redact
 
@@ -70,38 +63,12 @@ def server_location(url: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-ENV_PREFIX = "EAGLEGEN_"
-
-
-def environment(
-    fields: Iterable[str], structured: Iterable[str], env: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    """The values ``env`` (default: this process's environment) gives to ``fields``:
-    ``EAGLEGEN_<FIELD>`` in any case, as strings for pydantic to validate; a ``structured``
-    field's (a list or an object) as JSON, or a ValueError naming the variable."""
-    upper = {k.upper(): v for k, v in (os.environ if env is None else env).items()}
-    values: dict[str, Any] = {}
-    json_fields = set(structured)
-    for field in fields:
-        name = f"{ENV_PREFIX}{field.upper()}"
-        if name not in upper:
-            continue
-        raw = upper[name]
-        if field not in json_fields:
-            values[field] = raw
-            continue
-        try:
-            values[field] = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            # The value itself is left out: it may hold a URL's password.
-            raise ValueError(f"{name} is not JSON ({exc.msg} at character {exc.pos})") from None
-    return values
-
-
-class Settings(BaseModel):
+class Settings(BaseSettings):
     """Everything a process needs to find its services; flags override the environment."""
 
-    model_config = ConfigDict(extra="ignore", hide_input_in_errors=True)
+    model_config = SettingsConfigDict(
+        env_prefix="EAGLEGEN_", extra="ignore", hide_input_in_errors=True
+    )
 
     database_url: str | None = None
     broker_url: str | None = None
@@ -187,20 +154,6 @@ class Settings(BaseModel):
                 "(or pass --database-url/--broker-url)"
             )
         return Services(self.database_url, self.broker_url)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _environment_below_flags(cls, given: Any) -> Any:
-        """The environment's values for the fields not given (a flag's None is not given:
-        the CLI drops those)."""
-        if not isinstance(given, dict):
-            return given
-        structured = [
-            name
-            for name, field in cls.model_fields.items()
-            if get_origin(field.annotation) in (list, dict)
-        ]
-        return {**environment(cls.model_fields, structured), **given}
 
     @field_validator("servers")
     @classmethod

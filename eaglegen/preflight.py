@@ -19,25 +19,27 @@ class ServiceError(ValueError):
     """A service that cannot be used as it is; the message says what to do."""
 
 
-def check_database(url: str, *, schema: bool = True, engine: Engine | None = None) -> None:
-    """Raise ServiceError unless Postgres answers and (``schema``) its schema is at this
-    eaglegen's head: on ``engine`` when given (its pooled connection is then the command's
-    own, checked), else on a connection of its own."""
+def check_database(url: str, *, schema: bool = True) -> None:
+    """`check_engine` on a connection of its own."""
+    engine = create_engine(
+        normalize_database_url(url), connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
+    )
+    try:
+        check_engine(engine, url, schema=schema)
+    finally:
+        engine.dispose()
+
+
+def check_engine(engine: Engine, url: str, *, schema: bool = True) -> None:
+    """Raise ServiceError unless Postgres at ``url`` answers on ``engine`` and (``schema``)
+    its schema is at this eaglegen's head."""
     known, heads = migrations()
-    own = engine is None
-    if engine is None:
-        engine = create_engine(
-            normalize_database_url(url), connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
-        )
     try:
         with engine.connect() as conn:
             current = schema_revisions(conn)
     except SQLAlchemyError as exc:
         reason = scrub(_first_line(exc), url)
         raise ServiceError(f"cannot use Postgres at {redact(url)}: {reason}") from exc
-    finally:
-        if own:
-            engine.dispose()
     problem = schema_problem(current, heads, known) if schema else None
     if problem is not None:
         raise ServiceError(f"Postgres at {redact(url)}: {problem}")

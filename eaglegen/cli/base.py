@@ -239,15 +239,15 @@ def named_database(settings: Settings) -> str:
 
 
 @contextmanager
-def checked_connection(settings: Settings) -> Iterator[Engine]:
-    """`database` and `one_connection` in one: the check runs on the connection the command
-    then uses, instead of on one of its own (a connection fewer per command)."""
+def checked_connection(settings: Settings) -> Iterator[tuple[str, Engine]]:
+    """`database` and `one_connection` in one, (URL, engine): the check runs on the
+    connection the command then uses, not on one of its own (a connection fewer)."""
     from eaglegen import preflight
 
     url = named_database(settings)
     with one_connection(url) as engine:
-        preflight.check_database(url, engine=engine)
-        yield engine
+        preflight.check_engine(engine, url)
+        yield url, engine
 
 
 @contextmanager
@@ -255,7 +255,7 @@ def checked_repository(settings: Settings) -> Iterator[Repository]:
     """A repository on `checked_connection`."""
     from models.repository import Repository
 
-    with checked_connection(settings) as engine:
+    with checked_connection(settings) as (_, engine):
         yield Repository(engine)
 
 

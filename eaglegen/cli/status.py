@@ -29,7 +29,6 @@ from eaglegen.cli.base import (
     emit_json,
     err,
     load_settings,
-    named_database,
 )
 from eaglegen.report.text import inline
 
@@ -64,8 +63,7 @@ def status(
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     name = None if run is None else check_name("run", run)
-    with checked_connection(settings) as engine:
-        url = named_database(settings)
+    with checked_connection(settings) as (url, engine):
         if watch and not json_out:
             out = console()
             refresh = Refresh(

@@ -39,15 +39,12 @@ class Stream:
     """What a client read from one streamed call."""
 
     chunks: list[dict[str, Any]]
-    # Arrival time of each chunk (monotonic seconds).
-    times: list[float]
     content_type: str
 
 
 def read_stream(client: httpx.Client, body: dict[str, Any]) -> Stream:
     """Read every event of a streamed call, checking the framing SGLang uses."""
     events: list[bytes] = []
-    times: list[float] = []
     buffer = b""
     with client.stream("POST", "/generate", json=body) as response:
         assert response.status_code == 200
@@ -56,12 +53,11 @@ def read_stream(client: httpx.Client, body: dict[str, Any]) -> Stream:
             while b"\n\n" in buffer:
                 event, buffer = buffer.split(b"\n\n", 1)
                 events.append(event)
-                times.append(time.monotonic())
         content_type = response.headers["content-type"]
     assert buffer == b"" and events[-1] == DONE and DONE not in events[:-1]
     assert all(event.startswith(b"data: ") for event in events)
     chunks = [json.loads(event.removeprefix(b"data: ")) for event in events[:-1]]
-    return Stream(chunks, times[:-1], content_type)
+    return Stream(chunks, content_type)
 
 
 def metric_values(client: httpx.Client) -> dict[str, float]:

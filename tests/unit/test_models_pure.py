@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from pydantic import ValidationError
 
 from core.sampling import DEFAULTS, complete
-from core.settings import Settings, environment
+from core.settings import Settings
 from core.urls import normalize_database_url, redact
 from models.tokens import pack, unpack
 
@@ -36,52 +34,6 @@ def test_settings_reject_non_redis_broker_without_leaking_the_password() -> None
     with pytest.raises(ValidationError) as info:
         Settings(broker_url="amqp://guest:topsecret@h//")
     assert "topsecret" not in str(info.value)
-
-
-def test_settings_come_from_the_environment_under_the_flags(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    servers = [{"name": "a", "url": "http://h:30000/", "max_inflight": 8}]
-    monkeypatch.setenv("EAGLEGEN_SERVERS", json.dumps(servers))
-    monkeypatch.setenv("eaglegen_queue", "from-env")  # any case, as before
-    monkeypatch.setenv("EAGLEGEN_STREAM", "false")
-    monkeypatch.setenv("EAGLEGEN_DB_POOL_SIZE", "3")
-    monkeypatch.setenv("EAGLEGEN_NOT_A_SETTING", "x")
-    settings = Settings(queue="flag")
-    assert settings.queue == "flag"
-    assert settings.stream is False and settings.db_pool_size == 3
-    assert [(s.name, s.url, s.max_inflight) for s in settings.servers] == [
-        ("a", "http://h:30000", 8)
-    ]
-    # What the environment gave counts as given (the stack search asks of data_dir).
-    assert settings.model_fields_set == {"queue", "stream", "db_pool_size", "servers"}
-    monkeypatch.setenv("EAGLEGEN_DB_POOL_SIZE", "0")
-    with pytest.raises(ValidationError, match="db_pool_size"):
-        Settings()
-
-
-def test_a_setting_that_is_not_json_is_named_without_its_value(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("EAGLEGEN_SERVERS", '[{"url": "http://u:topsecret@h:1"')
-    with pytest.raises(ValidationError) as info:
-        Settings()
-    assert "EAGLEGEN_SERVERS is not JSON" in str(info.value)
-    assert "topsecret" not in str(info.value)
-
-
-def test_the_structured_settings_are_the_list_and_object_fields() -> None:
-    # Read as JSON from the environment; every other field is one plain value.
-    structured = {
-        name
-        for name, field in Settings.model_fields.items()
-        if not isinstance(field.annotation, type) or field.annotation is list
-    }
-    plain = {"database_url", "broker_url", "worker_concurrency", "stream", "window",
-             "metrics_port"}  # fmt: skip
-    assert structured - plain == {"servers"}
-    assert environment(["servers"], ["servers"], {"EAGLEGEN_SERVERS": "[]"}) == {"servers": []}
-    assert environment(["queue"], [], {"EAGLEGEN_QUEUE": "[]"}) == {"queue": "[]"}
 
 
 def test_sampling_params_are_all_explicit() -> None:
