@@ -55,6 +55,8 @@ class ClaimKiller:
     def url(self) -> str:
         """The database URL through the proxy (plain text: it reads the protocol)."""
         url = make_url(self.database_url).set(host="127.0.0.1", port=self.port)
+        # A socket folder in the query (the embedded Postgres) would bypass the proxy.
+        url = url.difference_update_query(["host"])
         plain = url.update_query_dict({"sslmode": "disable", "gssencmode": "disable"})
         return plain.render_as_string(hide_password=False)
 
@@ -72,12 +74,21 @@ class ClaimKiller:
         with suppress(OSError):
             while True:
                 client, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self._postgres_port()))
+                upstream = self._connect_upstream()
                 self._sockets += [client, upstream]
                 _Session(self, client, upstream).start()
 
-    def _postgres_port(self) -> int:
-        return make_url(self.database_url).port or 5432
+    def _connect_upstream(self) -> socket.socket:
+        """A connection to the Postgres of the URL: its Unix socket when the URL names a
+        socket folder (the embedded Postgres of `make test`), else loopback TCP."""
+        url = make_url(self.database_url)
+        port = url.port or 5432
+        folder = url.query.get("host")
+        if isinstance(folder, str) and folder.startswith("/"):
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            upstream.connect(f"{folder}/.s.PGSQL.{port}")
+            return upstream
+        return socket.create_connection(("127.0.0.1", port))
 
     def take(self) -> bool:
         """Whether this is the one time the trap springs."""
