@@ -27,13 +27,20 @@ input_ids, read back from Postgres, are what bench_serving sends, one per reques
 pipeline round checks that its jobs hold the same input_ids. The simulator's output is a
 function of (input_ids, seed), neither side sends a seed, and with ignore_eos both generate
 exactly max_new_tokens per request: every round must produce the same token count, which is
-checked, as are zero failed requests on both sides. The simulator's prefix cache is flushed
-before every round. A round during which the broker's Redis db was emptied by another
-process (the test suite's broker fixture cycles through dbs 1-15 and flushes each) is marked
-DISTURBED: a sentinel key set before the round is gone after it. In flight = running +
-queued requests on the simulator's /metrics every 0.2 s: its peak, and its mean from the
-first to the last sample that saw a request (the same mean on both sides means the same load
-was offered; a lower one, slots left empty).
+checked, as are zero failed requests on both sides. With `--natural-lengths` neither side sends
+ignore_eos (bench_serving's `--disable-ignore-eos`): each answer ends where the simulator's model
+ends it (log-normal lengths: mean 300 tokens by default, 3,000 with the kimi-k2 preset; capped
+at max_new_tokens), as a real dataset's answers do, instead of every request of a wave ending
+in the same decode step; the two sides' token counts must still be equal, round for round.
+Both sides send the prompts in one order (which matters once lengths differ: where the long
+answers start decides the tail): every pipeline run has the same order seed, and
+bench_serving's file lists the prompts in that run's publishing order. The simulator's
+prefix cache is flushed before every round. A round during which the broker's Redis db was
+emptied by another process (the test suite's broker fixture cycles through dbs 1-15 and
+flushes each) is marked DISTURBED: a sentinel key set before the round is gone after it. In
+flight = running + queued requests on the simulator's /metrics every 0.2 s: its peak, and its
+mean from the first to the last sample that saw a request (the same mean on both sides means
+the same load was offered; a lower one, slots left empty).
 
 What is changed in bench_serving, at run time only, by a driver script written to a temp
 directory (nothing is installed into or edited in the sglang package):
@@ -143,6 +150,9 @@ BENCH_DEPS = (
 DROP_ENV = "BENCH_SERVING_DROP_FIELDS"
 # Set before each round and looked for after it: gone means the Redis db was flushed meanwhile.
 SENTINEL = "eaglegen-bench-serving:sentinel"
+# Every run of the bench publishes its jobs in one order, and bench_serving's file lists them
+# in it: with answers of natural lengths, where the long ones start decides the tail.
+ORDER_SEED = 20261204
 ROUND_TIMEOUT_S = 1800.0
 _WINDOW = text("""
 SELECT count(*), coalesce(sum(g.completion_tokens), 0),
@@ -290,7 +300,8 @@ class Bench:
     def sampling(self) -> dict[str, Any]:
         """The pipeline's sampling: bench_serving's, in the run file's terms."""
         n = self.args.max_new_tokens
-        return {"max_new_tokens": n, "ignore_eos": True, "temperature": 0.0, "top_p": 1.0}
+        ignore_eos = not self.args.natural_lengths
+        return {"max_new_tokens": n, "ignore_eos": ignore_eos, "temperature": 0.0, "top_p": 1.0}
 
 
 def venv_python(venv: Path) -> Path:
@@ -364,10 +375,10 @@ def refused_fields(sim_url: str) -> list[str]:
 
 
 def enqueue_sampled(settings: Settings, path: Path, run: str, sampling: dict[str, Any]) -> None:
-    """Enqueue every prompt of ``path`` as run ``run`` with ``sampling``."""
-    plan = RunPlan(
-        run=run, tokenizer=TOKENIZER_DIR, datasets=[DatasetPlan("d", path, sampling=sampling)]
-    )
+    """Enqueue every prompt of ``path`` as run ``run`` with ``sampling``, in ORDER_SEED's
+    publishing order."""
+    dataset = DatasetPlan("d", path, sampling=sampling)
+    plan = RunPlan(run=run, tokenizer=TOKENIZER_DIR, datasets=[dataset], order_seed=ORDER_SEED)
     run_enqueue(settings, settings.services(), plan, quiet=True)
 
 
@@ -428,6 +439,7 @@ def bench_serving_round(bench: Bench, mode: Mode, name: str) -> tuple[int, int, 
         *("--num-prompts", str(len(bench.inputs)), "--max-concurrency", str(mode.concurrency)),
         *("--flush-cache", "--disable-tqdm", "--output-file", str(out), "--output-details"),
         *(() if mode.stream else ("--disable-stream",)),
+        *(("--disable-ignore-eos",) if args.natural_lengths else ()),
     ]
     with (bench.logs / f"{name}.log").open("wb") as log:
         subprocess.run(
@@ -442,7 +454,7 @@ def bench_serving_round(bench: Bench, mode: Mode, name: str) -> tuple[int, int, 
     errors = [e for e in result["errors"] if e]
     assert not errors, f"{name}: {len(errors)} failed requests, first: {errors[0][:500]}"
     short = sum(n < args.max_new_tokens for n in result["output_lens"])
-    if short:
+    if short and not args.natural_lengths:
         # Its stream parser takes completion_tokens only from chunks with text: when the last
         # chunk of an incremental stream has none, it counts that request short.
         print(f"  bench_serving counted {short} of its requests short of max_new_tokens")
@@ -476,7 +488,8 @@ def pipeline_round(bench: Bench, name: str) -> tuple[int, int, float]:
     assert same, f"{name}: the jobs' input_ids are not bench_serving's prompts"
     assert n == expected, f"{name}: {n} of {expected} generations ({counts.states})"
     wanted = bench.args.max_new_tokens
-    assert shortest == longest == wanted, f"{name}: {shortest}..{longest} tokens, not {wanted}"
+    lengths_ok = longest <= wanted if bench.args.natural_lengths else shortest == longest == wanted
+    assert lengths_ok, f"{name}: {shortest}..{longest} tokens, max_new_tokens {wanted}"
     return int(n), int(tokens), float(last) - float(first)
 
 
@@ -498,6 +511,10 @@ def compare(bench: Bench, mode: Mode) -> list[tuple[Round, Round]]:
             pipe_run = functools.partial(pipeline_round, bench, f"pipeline-{label}-{i}")
             pipe = measured("pipeline", pipe_run, bench, pids)
             print(pipe.line(), flush=True)
+            # Same prompts, outputs a function of them: a difference is a defect of the bench
+            # (streamed, bench_serving may count a request short: see bench_serving_round).
+            same = pipe.tokens == client.tokens
+            assert same or mode.stream, f"tokens {pipe.tokens:,} vs {client.tokens:,}"
             print(f"  ratio {pipe.tok_s / client.tok_s:.3f}", flush=True)
             pairs.append((client, pipe))
     return pairs
@@ -575,7 +592,7 @@ def benchmark(args: argparse.Namespace) -> dict[Mode, list[tuple[Round, Round]]]
         mean = sum(map(len, inputs)) / len(inputs)
         print(
             f"{len(inputs):,} prompts (mean {mean:.1f} tokens), max_new_tokens "
-            f"{args.max_new_tokens}, ignore_eos; {sglang_version(args.venv)}; simulator "
+            f"{args.max_new_tokens}, {lengths_line(args)}; {sglang_version(args.venv)}; simulator "
             f"{server_line(args)}; "
             f"fields the simulator refuses, left out by bench_serving's driver: {drop or 'none'}",
             flush=True,
@@ -586,6 +603,13 @@ def benchmark(args: argparse.Namespace) -> dict[Mode, list[tuple[Round, Round]]]
                 results[mode] = compare(bench, mode)
     repo.engine.dispose()
     return results
+
+
+def lengths_line(args: argparse.Namespace) -> str:
+    """How long the answers are, as the report's header says it."""
+    if args.natural_lengths:
+        return "natural lengths (the simulator's own, capped at max_new_tokens)"
+    return "ignore_eos"
 
 
 def server_line(args: argparse.Namespace) -> str:
@@ -621,6 +645,11 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=3, help="bench_serving+pipeline pairs")
     parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument(
+        "--natural-lengths",
+        action="store_true",
+        help="answers end where the simulator's model ends them (no ignore_eos on either side)",
+    )
     parser.add_argument(
         "--stream-interval", type=int, default=1, help="the simulator's, as SGLang's"
     )

@@ -287,11 +287,13 @@ def enqueue(
 
 
 def take_prompts(repo: Repository) -> tuple[list[list[int]], dict[str, Any]]:
-    """The input_ids of every job (of the one run enqueued so far) and their sampling params,
-    then that run deleted, so that no reconciler ever publishes it to the worker."""
+    """The input_ids of every job (of the one run enqueued so far), in the order the feeder
+    publishes them, and their sampling params; then that run deleted, so that no reconciler
+    ever publishes it to the worker."""
     with repo.engine.begin() as conn:
         # Single-sample datasets: every job holds its own ids.
-        prompts = [list(ids or ()) for ids in conn.scalars(select(Job.input_ids).order_by(Job.id))]
+        order = select(Job.input_ids).order_by(Job.sort_key, Job.id)
+        prompts = [list(ids or ()) for ids in conn.scalars(order)]
         params = conn.scalar(select(Dataset.sampling_params).limit(1))
         conn.execute(text("DELETE FROM runs"))
     return prompts, dict(params or {})
