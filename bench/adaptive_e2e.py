@@ -3,6 +3,7 @@ processes against `eaglegen sim --preset P --time-scale S` over HTTP, default se
 
     .venv/bin/python -m bench.adaptive_e2e [--presets fast,kimi-k2,kv-rich] [--rounds 1]
         [--jobs-factor 1.0] [--time-scale PRESET=SCALE ...] [--knee PRESET=LEVEL ...]
+        [--adaptive-only]
 
 What `bench.adaptive` measures on a virtual clock in-process, measured as a user runs it.
 Per preset (its plan in `PLANS`: jobs, max_new_tokens, time scale, and the knee of
@@ -34,6 +35,10 @@ Per run:
 - pace: the simulator's engine seconds x time scale / the wall (1.0: the host kept up with
   the scaled clock; below: the simulator itself was CPU-bound, or idle within the span);
 - retractions: the simulator's own count.
+
+With ``--adaptive-only``, the adaptive runs alone: what the limit did and its time to settle,
+for work on the controller (no ratio: nothing fixed ran beside it; the worker logs in the
+logs folder say why the limit moved).
 
 Prints a line per run, then a Markdown table per preset: each level's tok/s (the knee: the
 smallest level within 3% of the best), adaptive's, adaptive ÷ best fixed (goal >= 0.95) and
@@ -335,7 +340,9 @@ def report(runs: Sequence[Run], plans: dict[str, Plan]) -> None:
         best = max(fixed.values(), default=0.0)
         knee = min((lv for lv, v in fixed.items() if v >= KNEE * best), default=0)
         adaptive = [r for r in mine if r.mode == "adaptive"]
-        per_round = [_ratio(a.tok_s, max(r.tok_s for r in fellows(mine, a))) for a in adaptive]
+        per_round = [
+            _ratio(a.tok_s, max((r.tok_s for r in fellows(mine, a)), default=0.0)) for a in adaptive
+        ]
         cells = [
             f"{lv}: {fixed[lv]:,.0f}{' (knee)' if lv == knee else ''}" if lv in fixed else "-"
             for lv in plan.levels
@@ -349,11 +356,13 @@ def report(runs: Sequence[Run], plans: dict[str, Plan]) -> None:
             + (f" (rounds: {', '.join(per_round)})" if len(per_round) > 1 else "")
             + f" | {limit} | {settle} |"
         )
-    worst = min(
-        (a.tok_s / max(r.tok_s for r in fellows(runs, a)) for a in runs if a.mode == "adaptive"),
-        default=0.0,
-    )
-    print(f"lowest adaptive ÷ best fixed of a round: {worst:.3f} (goal >= {GOAL})")
+    ratios = [
+        a.tok_s / max(r.tok_s for r in beside)
+        for a in runs
+        if a.mode == "adaptive" and (beside := fellows(runs, a))
+    ]
+    if ratios:
+        print(f"lowest adaptive ÷ best fixed of a round: {min(ratios):.3f} (goal >= {GOAL})")
     if any(r.flushed or not r.finished for r in runs):
         print("NOT VALID: a run timed out or had its Redis db flushed by another process")
 
@@ -368,7 +377,7 @@ def benchmark(args: argparse.Namespace, plans: dict[str, Plan]) -> list[Run]:
     for round_ in range(args.rounds):
         for preset, plan in plans.items():
             prompts = write_short_prompts(logs / f"prompts-{preset}.jsonl", plan_jobs(plan, args))
-            order: list[int | None] = [None, *plan.levels]
+            order: list[int | None] = [None] if args.adaptive_only else [None, *plan.levels]
             for level in order if round_ % 2 == 0 else order[::-1]:
                 index += 1
                 run = one_run(args, database, preset, plan, level, prompts, logs, round_, index)
@@ -400,6 +409,9 @@ def main() -> None:
     parser.add_argument(
         "--knee", action="append", default=[], help="PRESET=LEVEL: sweep around it (repeat)"
     )
+    parser.add_argument(
+        "--adaptive-only", action="store_true", help="no fixed levels: the limit's path alone"
+    )
     parser.add_argument("--timeout-s", type=float, default=1200.0)
     parser.add_argument("--database-url", default=PG)
     parser.add_argument("--broker-url", default=REDIS)
@@ -412,8 +424,12 @@ def main() -> None:
     for name, plan in plans.items():
         print(
             f"{name}: {plan_jobs(plan, args):,} jobs of at most {plan.max_new_tokens:,} new "
-            f"tokens, time scale {plan.time_scale:g}, fixed "
-            f"{', '.join(map(str, plan.levels))} and adaptive",
+            f"tokens, time scale {plan.time_scale:g}, "
+            + (
+                "adaptive only"
+                if args.adaptive_only
+                else f"fixed {', '.join(map(str, plan.levels))} and adaptive"
+            ),
             flush=True,
         )
     started = time.monotonic()

@@ -190,15 +190,22 @@ def family_tokenizer(folder: Path, family: str, *, structure: bool = False) -> P
 
 
 def wait_settled(repo: Repository, timeout_s: float = 120.0) -> dict[str, int]:
-    """Poll until no job is queued or running; the final counts by state."""
+    """Poll until no job is queued or running and no conversation is under way; the final
+    counts by state. A conversation's next turn is made by the advancer after the turn
+    before is recorded: in between, no job of it is open, and the run is not settled."""
     deadline = time.monotonic() + timeout_s
     while True:
         states: dict[str, int] = {}
+        runs = set()
         for counts in repo.counts():
+            runs.add(counts.run)
             for state, n in counts.states.items():
                 states[state] = states.get(state, 0) + n
         if states and states.get("queued", 0) + states.get("running", 0) == 0:
-            return states
+            under_way = sum(repo.conversations_under_way(run) for run in runs)
+            if not under_way:
+                return states
+            states["conversations under way"] = under_way
         if time.monotonic() > deadline:
             raise TimeoutError(f"jobs not settled after {timeout_s} s: {states}")
         time.sleep(0.1)
