@@ -189,26 +189,30 @@ def family_tokenizer(folder: Path, family: str, *, structure: bool = False) -> P
     return out
 
 
+def settled_states(repo: Repository) -> dict[str, int] | None:
+    """Jobs by state over every run once none is queued or running and no conversation is
+    under way (between a turn's record and the advancer's next turn, no job of it is open
+    though the run is not done); None before."""
+    states: dict[str, int] = {}
+    runs = set()
+    for counts in repo.counts():
+        runs.add(counts.run)
+        for state, n in counts.states.items():
+            states[state] = states.get(state, 0) + n
+    if not states or states.get("queued", 0) + states.get("running", 0):
+        return None
+    return None if any(repo.conversations_under_way(run) for run in runs) else states
+
+
 def wait_settled(repo: Repository, timeout_s: float = 120.0) -> dict[str, int]:
-    """Poll until no job is queued or running and no conversation is under way; the final
-    counts by state. A conversation's next turn is made by the advancer after the turn
-    before is recorded: in between, no job of it is open, and the run is not settled."""
+    """Poll until the runs are settled (``settled_states``); the final counts by state."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        states: dict[str, int] = {}
-        runs = set()
-        for counts in repo.counts():
-            runs.add(counts.run)
-            for state, n in counts.states.items():
-                states[state] = states.get(state, 0) + n
-        if states and states.get("queued", 0) + states.get("running", 0) == 0:
-            under_way = sum(repo.conversations_under_way(run) for run in runs)
-            if not under_way:
-                return states
-            states["conversations under way"] = under_way
+    while (states := settled_states(repo)) is None:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"jobs not settled after {timeout_s} s: {states}")
+            now = [(c.dataset, c.states) for c in repo.counts()]
+            raise TimeoutError(f"jobs or conversations not settled after {timeout_s} s: {now}")
         time.sleep(0.1)
+    return states
 
 
 def reference_ids(tokenizer: Any, row: dict[str, Any], **template_kwargs: Any) -> list[int]:

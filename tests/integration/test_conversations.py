@@ -13,7 +13,6 @@ import io
 import itertools
 import json
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from eaglegen.sim import SimConfig, SimServer
 from models.conversations import ConversationCounts, NextTurn
 from models.repository import Repository
 from models.schema import Conversation, Dataset, Generation, Job, Run
-from tests.helpers import enqueue_file, write_jsonl
+from tests.helpers import enqueue_file, wait_settled, write_jsonl
 from tests.integration.test_families_end_to_end import tokenizer_folder
 from tests.integration.test_families_pipeline import stats_document
 from tests.unit.test_sim_tools import tool_rows
@@ -80,19 +79,9 @@ def served(settings: Settings, family: Path) -> Iterator[Settings]:
 def wait_conversations(
     repo: Repository, dataset_id: int, timeout_s: float = 120
 ) -> ConversationCounts:
-    """Poll until every conversation of the dataset is done or ended, and no job is open."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counts = repo.conversation_counts([dataset_id])[dataset_id]
-        open_jobs = sum(
-            n for c in repo.counts() for s, n in c.states.items() if s in ("queued", "running")
-        )
-        settled = counts.by_state.get("done", 0) + counts.by_state.get("ended", 0)
-        if settled == counts.total and not open_jobs:
-            return counts
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"conversations not settled after {timeout_s} s: {counts}")
-        time.sleep(0.1)
+    """Wait until every conversation is done or ended and no job is open; the dataset's."""
+    wait_settled(repo, timeout_s)
+    return repo.conversation_counts([dataset_id])[dataset_id]
 
 
 def turns_of(repo: Repository) -> dict[int, list[dict[str, Any]]]:
