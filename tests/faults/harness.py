@@ -31,7 +31,7 @@ from models.db import make_engine
 from models.records import DatasetSpec, NewJob, RunSpec
 from models.repository import Repository
 from models.states import JobState
-from tests.helpers import InspectRepository
+from tests.helpers import InspectRepository, settled_states
 
 T = TypeVar("T")
 
@@ -318,13 +318,14 @@ def attempts_histogram(repo: Repository) -> dict[int, int]:
 def wait_settled(
     repo: Repository, fleet: Fleet, timeout_s: float, *, supervise: bool = False
 ) -> Counter[str]:
-    """Wait until no job is queued or running (``supervise``: replacing crashed workers)."""
+    """Wait until the runs are settled, ``tests.helpers.settled_states``: no job queued or
+    running and no conversation under way (``supervise``: replacing crashed workers)."""
 
     def settled() -> Counter[str] | None:
         if supervise:
             fleet.replace_crashed()
-        states = state_counts(repo)
-        return states if states and states["queued"] + states["running"] == 0 else None
+        states = settled_states(repo)
+        return None if states is None else Counter({s: n for s, n in states.items() if n})
 
     return wait_for(settled, timeout_s, "every job to settle", lambda: _progress(repo, fleet))
 

@@ -36,6 +36,7 @@ from tests.faults.harness import (
     running_on,
     state_counts,
     wait_for,
+    wait_settled,
 )
 from tests.helpers import enqueue_file, write_jsonl
 from tests.integration.test_conversations import chat
@@ -68,7 +69,7 @@ def test_kill_9_workers_and_the_advancer_mid_conversations_loses_and_duplicates_
         fleet.kill(victim)
         orphans += running_on(repo, victim)
         fleet.start()
-    _wait_conversations_settled(repo, fleet)
+    wait_settled(repo, fleet, timeout_s=150)
     facts = _assert_every_turn_once_and_on_policy(repo, fleet)
     assert orphans, "no kill caught a turn running: the test exercised nothing"
     report(
@@ -109,7 +110,7 @@ def test_redis_flushed_mid_conversations_loses_and_duplicates_no_turn(
             client.flushall()
     finally:
         client.close()
-    _wait_conversations_settled(repo, fleet, supervise=True)
+    wait_settled(repo, fleet, timeout_s=150, supervise=True)
     facts = _assert_every_turn_once_and_on_policy(repo, fleet)
     report(
         "conversations, redis flushed",
@@ -153,7 +154,7 @@ def test_postgres_restarted_mid_conversations_loses_and_duplicates_no_turn(
         private_postgres.stop()
         time.sleep(PG_DOWNTIME_S)
         private_postgres.start()
-        _wait_conversations_settled(repo, fleet)
+        wait_settled(repo, fleet, timeout_s=150)
         facts = _assert_every_turn_once_and_on_policy(repo, fleet)
         assert all(w.running() for w in fleet.workers), fleet.tails()
         outages = fleet.log_count("database unreachable")
@@ -230,21 +231,6 @@ def _conversations(repo: Repository) -> Counter[str]:
             select(Conversation.state, func.count()).group_by(Conversation.state)
         ).all()
     return Counter({str(state): int(n) for state, n in rows})
-
-
-def _wait_conversations_settled(repo: Repository, fleet: Fleet, *, supervise: bool = False) -> None:
-    """Wait until no conversation is active or waiting and no job is queued or running."""
-
-    def settled() -> bool:
-        if supervise:
-            fleet.replace_crashed()
-        states = state_counts(repo)
-        under_way = _conversations(repo)
-        return not (
-            states["queued"] + states["running"] + under_way["active"] + under_way["waiting"]
-        )
-
-    wait_for(settled, 150, "every conversation to settle", fleet.tails)
 
 
 def _assert_every_turn_once_and_on_policy(repo: Repository, fleet: Fleet) -> dict[str, Any]:
