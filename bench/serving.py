@@ -13,13 +13,15 @@ bench_serving per pair of rounds. Goal: >= 1.0.
   benchmark duration, from before the first request is sent to after the last one finished.
   It sends `sampling_params = {"temperature": 0.0, "max_new_tokens": N, "ignore_eos": true}`.
 - pipeline: one `eaglegen worker` process (threads pool, `--concurrency N`, the shared
-  in-flight limit N, adaptive concurrency off), as `bench.worker_throughput` runs it, fed by
-  `eaglegen enqueue` of the same prompts file. Its figure: completion tokens over the same
-  kind of span, from the first request's arrival at the simulator (the earliest
-  generations.created_at minus that generation's e2e_latency) to the last generation
-  recorded in Postgres. The run's sampling mirrors bench_serving's: max_new_tokens N,
-  ignore_eos true, temperature 0.0, top_p 1.0 (the worker also sends its other defaults,
-  which change nothing here). Streams in the stream mode (`EAGLEGEN_STREAM=true`).
+  in-flight limit N, adaptive concurrency off; `--worker-processes K`: K of them sharing
+  that limit, N/K threads each, as `--numa-node auto` runs one a NUMA node), as
+  `bench.worker_throughput` runs it, fed by `eaglegen enqueue` of the same prompts file. Its
+  figure: completion tokens over the same kind of span, from the first request's arrival at
+  the simulator (the earliest generations.created_at minus that generation's e2e_latency) to
+  the last generation recorded in Postgres. The run's sampling mirrors bench_serving's:
+  max_new_tokens N, ignore_eos true, temperature 0.0, top_p 1.0 (the worker also sends its
+  other defaults, which change nothing here). Streams in the stream mode
+  (`EAGLEGEN_STREAM=true`).
 
 Same prompts, same tokens: the prompts are short single-turn chat rows
 (`bench.common.write_short_prompts`) templated and tokenized by `eaglegen enqueue`; their
@@ -73,6 +75,7 @@ other requirements, torch among them, are missing are expected):
 Run:
     .venv/bin/python -m bench.serving [--requests 2000] [--concurrency 64,256]
         [--modes plain,stream] [--rounds 3] [--max-new-tokens 192] [--incremental]
+        [--worker-processes 1]
         [--preset kimi-k2 --time-scale 0.2 | --decode-step-ms 0 --decode-ms-per-request 0]
 The simulator is a big KV pool with the decode timing given (default 10 ms a step + 0.05 ms
 a running request; 0 and 0 for a server that costs nothing, where the clients' own costs are
@@ -85,8 +88,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
+import math
 import os
 import re
 import resource
@@ -252,6 +257,7 @@ class Round:
     # every running request (arrivals spread out cost more passes than arrivals together).
     decode_steps: int
     prefill_s: float
+    prefill_passes: int
 
     @property
     def tok_s(self) -> float:
@@ -265,7 +271,8 @@ class Round:
             f"  {self.side:13} {self.requests:,} requests, {self.tokens:,} tokens in "
             f"{self.seconds:.2f} s: {self.tok_s:,.0f} tok/s; in flight mean "
             f"{self.mean_in_flight:.1f}, peak {self.peak_in_flight}; server: "
-            f"{self.decode_steps:,} decode steps, {self.prefill_s:.1f} s prefill; cpu s: {cpu}"
+            f"{self.decode_steps:,} decode steps, {self.prefill_s:.1f} s prefill in "
+            f"{self.prefill_passes:,} passes; cpu s: {cpu}"
             + ("; DISTURBED: Redis db flushed during the round" if self.flushed else "")
         )
 
@@ -403,6 +410,7 @@ def measured(
     server_after = sim_stats(bench.sim_url)
     steps = int(server_after["decode_steps"] - server["decode_steps"])
     prefill_s = float(server_after["prefill_seconds"] - server["prefill_seconds"])
+    passes = int(server_after["prefill_passes"] - server["prefill_passes"])
     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     if side == "bench_serving":
         cpu["bench_serving"] = _children_cpu_s() - children
@@ -410,7 +418,7 @@ def measured(
     flushed = not broker.exists(SENTINEL)
     broker.close()
     return Round(
-        side, n, tokens, seconds, sampler.peak, sampler.mean, cpu, flushed, steps, prefill_s
+        side, n, tokens, seconds, sampler.peak, sampler.mean, cpu, flushed, steps, prefill_s, passes
     )
 
 
@@ -493,6 +501,26 @@ def pipeline_round(bench: Bench, name: str) -> tuple[int, int, float]:
     return int(n), int(tokens), float(last) - float(first)
 
 
+def start_workers(
+    stack: contextlib.ExitStack, bench: Bench, mode: Mode, log: Path
+) -> dict[str, int]:
+    """The pipeline's worker processes, stopped with ``stack``: one, or --worker-processes
+    sharing the in-flight limit with its threads split among them; their pids by name."""
+    k = bench.args.worker_processes
+    pids = {}
+    for i in range(k):
+        worker = worker_process(
+            bench.settings,
+            bench.sim_url,
+            mode.concurrency,
+            log if k == 1 else log.with_suffix(f".{i + 1}.log"),
+            mode.stream,
+            threads=math.ceil(mode.concurrency / k),
+        )
+        pids["worker" if k == 1 else f"worker{i + 1}"] = stack.enter_context(worker).pid
+    return pids
+
+
 def compare(bench: Bench, mode: Mode) -> list[tuple[Round, Round]]:
     """Start a worker for ``mode``, then alternate bench_serving and pipeline rounds."""
     label = f"{'stream' if mode.stream else 'plain'}-{mode.concurrency}"
@@ -500,8 +528,8 @@ def compare(bench: Bench, mode: Mode) -> list[tuple[Round, Round]]:
     pairs = []
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{mode}: load average before {load}", flush=True)
-    with worker_process(bench.settings, bench.sim_url, mode.concurrency, log, mode.stream) as w:
-        pids = {"worker": w.pid, "sim": bench.sim_pid}
+    with contextlib.ExitStack() as stack:
+        pids = {**start_workers(stack, bench, mode, log), "sim": bench.sim_pid}
         for i in range(bench.args.rounds):
             client_run = functools.partial(
                 bench_serving_round, bench, mode, f"bench-serving-{label}-{i}"
@@ -644,6 +672,13 @@ def main() -> None:
         "--modes", type=_modes, default=[False, True], help="plain (non-streamed), stream"
     )
     parser.add_argument("--rounds", type=int, default=3, help="bench_serving+pipeline pairs")
+    parser.add_argument(
+        "--worker-processes",
+        type=int,
+        default=1,
+        help="worker processes sharing the in-flight limit, its threads split among them "
+        "(as `eaglegen worker --numa-node auto` runs one a NUMA node)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument(
         "--natural-lengths",

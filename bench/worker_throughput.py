@@ -233,10 +233,16 @@ def eaglegen_worker(
 
 @contextmanager
 def worker_process(
-    settings: Settings, sim_url: str, concurrency: int, log: Path, stream: bool = False
+    settings: Settings,
+    sim_url: str,
+    concurrency: int,
+    log: Path,
+    stream: bool = False,
+    threads: int | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`eaglegen worker --concurrency N` with an in-flight limit of N on the simulator
-    (asking for streamed answers with ``stream``)."""
+    (asking for streamed answers with ``stream``); ``threads``: fewer threads than N, for
+    one of several processes sharing the limit."""
     env = {
         "EAGLEGEN_SERVER_MAX_INFLIGHT": str(concurrency),
         # The same concurrency as the bare client, held: this compares the pipeline's cost.
@@ -244,7 +250,8 @@ def worker_process(
         "EAGLEGEN_STREAM": "true" if stream else "false",
     }
     servers = [{"name": "sim", "url": sim_url}]
-    with eaglegen_worker(settings, servers, log, env, ["--concurrency", str(concurrency)]) as w:
+    argv = ["--concurrency", str(threads or concurrency)]
+    with eaglegen_worker(settings, servers, log, env, argv) as w:
         yield w
 
 

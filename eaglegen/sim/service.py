@@ -316,6 +316,8 @@ class SimService:
             # Of which prefill passes, and the share of them that redid retracted work.
             "prefill_seconds": self.engine_time.prefill,
             "reprefill_seconds": self.engine_time.reprefill,
+            # Prefill passes run: arrivals spread out cost more of them than arrivals together.
+            "prefill_passes": self.engine_time.passes["prefill"],
             # Finished requests' e2e latency on the same clock: count and sum.
             "e2e_count": self.engine_e2e.count,
             "e2e_seconds": self.engine_e2e.total,
