@@ -13,7 +13,7 @@ bench_serving per pair of rounds. Goal: >= 1.0.
   benchmark duration, from before the first request is sent to after the last one finished.
   It sends `sampling_params = {"temperature": 0.0, "max_new_tokens": N, "ignore_eos": true}`.
 - pipeline: one `eaglegen worker` process (threads pool, `--concurrency N`, the shared
-  in-flight limit N, adaptive concurrency off; `--worker-processes K`: K of them sharing
+  in-flight limit N, adaptive concurrency off; `--workers K`: K of them sharing
   that limit, N/K threads each, as `--numa-node auto` runs one a NUMA node), as
   `bench.worker_throughput` runs it, fed by `eaglegen enqueue` of the same prompts file. Its
   figure: completion tokens over the same kind of span, from the first request's arrival at
@@ -75,7 +75,7 @@ other requirements, torch among them, are missing are expected):
 Run:
     .venv/bin/python -m bench.serving [--requests 2000] [--concurrency 64,256]
         [--modes plain,stream] [--rounds 3] [--max-new-tokens 192] [--incremental]
-        [--worker-processes 1]
+        [--workers 1]
         [--preset kimi-k2 --time-scale 0.2 | --decode-step-ms 0 --decode-ms-per-request 0]
 The simulator is a big KV pool with the decode timing given (default 10 ms a step + 0.05 ms
 a running request; 0 and 0 for a server that costs nothing, where the clients' own costs are
@@ -504,9 +504,9 @@ def pipeline_round(bench: Bench, name: str) -> tuple[int, int, float]:
 def start_workers(
     stack: contextlib.ExitStack, bench: Bench, mode: Mode, log: Path
 ) -> dict[str, int]:
-    """The pipeline's worker processes, stopped with ``stack``: one, or --worker-processes
+    """The pipeline's worker processes, stopped with ``stack``: one, or --workers
     sharing the in-flight limit with its threads split among them; their pids by name."""
-    k = bench.args.worker_processes
+    k = bench.args.workers
     pids = {}
     for i in range(k):
         worker = worker_process(
@@ -673,11 +673,11 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=3, help="bench_serving+pipeline pairs")
     parser.add_argument(
-        "--worker-processes",
+        "--workers",
         type=int,
         default=1,
-        help="worker processes sharing the in-flight limit, its threads split among them "
-        "(as `eaglegen worker --numa-node auto` runs one a NUMA node)",
+        help="worker processes (as bench.worker_stalls): they share the in-flight limit, "
+        "its threads split among them, as `--numa-node auto` runs one a NUMA node",
     )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument(

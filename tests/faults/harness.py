@@ -327,7 +327,9 @@ def wait_settled(
         states = settled_states(repo)
         return None if states is None else Counter({s: n for s, n in states.items() if n})
 
-    return wait_for(settled, timeout_s, "every job to settle", lambda: _progress(repo, fleet))
+    return wait_for(
+        settled, timeout_s, "every job and conversation to settle", lambda: _progress(repo, fleet)
+    )
 
 
 def _progress(repo: Repository, fleet: Fleet) -> str:
