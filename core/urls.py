@@ -20,6 +20,11 @@ def normalize_database_url(url: str) -> str:
     raise ValueError(f"database url must be postgresql://, got {redact(url)}")
 
 
+def libpq_url(url: str) -> str:
+    """The same Postgres URL as libpq (psycopg.connect) takes it: ``postgresql://``."""
+    return "postgresql" + normalize_database_url(url)[len("postgresql+psycopg") :]
+
+
 def redact(url: str) -> str:
     """The URL with every secret replaced: the userinfo password and secret query values.
 

@@ -6,11 +6,17 @@ do, instead of a driver traceback in the middle of a command.
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, create_engine
-from sqlalchemy.exc import SQLAlchemyError
+from typing import TYPE_CHECKING, Any
 
-from core.urls import normalize_database_url, redact, scrub
-from models.db import migrations, schema_revisions
+import psycopg
+
+from core.urls import redact, scrub
+from models.pg import connect, migrations, schema_revisions
+
+# SQLAlchemy is imported by the commands that use an engine, not by this check: `status`
+# reads through psycopg alone (models.pg).
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 CONNECT_TIMEOUT_S = 5
 
@@ -20,29 +26,52 @@ class ServiceError(ValueError):
 
 
 def check_database(url: str, *, schema: bool = True) -> None:
-    """`check_engine` on a connection of its own."""
-    engine = create_engine(
-        normalize_database_url(url), connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
-    )
+    """`check_connection` on a connection of its own."""
     try:
-        check_engine(engine, url, schema=schema)
-    finally:
-        engine.dispose()
+        conn = connect(url, connect_timeout_s=CONNECT_TIMEOUT_S)
+    except psycopg.Error as exc:
+        raise unusable(url, exc) from exc
+    with conn:
+        check_connection(conn, url, schema=schema)
+
+
+def check_connection(conn: psycopg.Connection[Any], url: str, *, schema: bool = True) -> None:
+    """Raise ServiceError unless Postgres at ``url`` answers on ``conn`` and (``schema``)
+    its schema is at this eaglegen's head."""
+    try:
+        with conn.cursor() as cursor:
+            current = schema_revisions(cursor)
+    except psycopg.Error as exc:
+        raise unusable(url, exc) from exc
+    _check_schema(current, url, schema)
 
 
 def check_engine(engine: Engine, url: str, *, schema: bool = True) -> None:
-    """Raise ServiceError unless Postgres at ``url`` answers on ``engine`` and (``schema``)
-    its schema is at this eaglegen's head."""
-    known, heads = migrations()
+    """`check_connection` on a connection of ``engine``'s (the one a command then uses)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from models.db import driver_cursor
+
     try:
-        with engine.connect() as conn:
-            current = schema_revisions(conn)
+        with engine.connect() as conn, driver_cursor(conn) as cursor:
+            current = schema_revisions(cursor)
     except SQLAlchemyError as exc:
-        reason = scrub(_first_line(exc), url)
-        raise ServiceError(f"cannot use Postgres at {redact(url)}: {reason}") from exc
+        raise unusable(url, getattr(exc, "orig", None) or exc) from exc
+    _check_schema(current, url, schema)
+
+
+def _check_schema(current: set[str], url: str, schema: bool) -> None:
+    known, heads = migrations()
     problem = schema_problem(current, heads, known) if schema else None
     if problem is not None:
         raise ServiceError(f"Postgres at {redact(url)}: {problem}")
+
+
+def unusable(url: str, error: BaseException) -> ServiceError:
+    """Postgres could not be reached or read: the driver's own first line."""
+    lines = str(error).strip().splitlines()
+    reason = lines[0] if lines else type(error).__name__
+    return ServiceError(f"cannot use Postgres at {redact(url)}: {scrub(reason, url)}")
 
 
 def schema_problem(current: set[str], heads: set[str], known: set[str]) -> str | None:
@@ -79,9 +108,3 @@ def check_broker(url: str) -> None:
         raise ServiceError(f"cannot use Redis at {redact(url)}: {scrub(str(exc), url)}") from exc
     finally:
         client.close()
-
-
-def _first_line(exc: SQLAlchemyError) -> str:
-    """The driver's own message, without SQLAlchemy's statement dump and background link."""
-    original = getattr(exc, "orig", None) or exc
-    return str(original).strip().splitlines()[0]

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -15,13 +13,12 @@ from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from core.urls import normalize_database_url
+from models.pg import MIGRATIONS, session_options
 
 # Alembic is imported to migrate only: the schema check before every command reads the
-# migration files (migrations()) and the database's revision (schema_revisions()) itself.
+# migration files and the database's revision itself (models.pg).
 if TYPE_CHECKING:
     from alembic.config import Config
-
-MIGRATIONS = Path(__file__).parent / "migrations"
 
 
 def make_engine(
@@ -49,15 +46,9 @@ def make_engine(
     mid-transaction (SIGSTOP, a VM pause, a swap storm) must not hold a dataset's ledger
     row, which every claim and record of that dataset updates, for as long as it is frozen.
     """
-    settings = []
-    if async_commit:
-        settings.append("synchronous_commit=off")
-    if hold_limit_ms is not None:
-        settings += [
-            f"lock_timeout={hold_limit_ms}",
-            f"idle_in_transaction_session_timeout={hold_limit_ms}",
-        ]
-    options: dict[str, Any] = {"options": " ".join(f"-c {s}" for s in settings)} if settings else {}
+    options: dict[str, Any] = {}
+    if session := session_options(async_commit=async_commit, hold_limit_ms=hold_limit_ms):
+        options["options"] = session
     if connect_timeout_s is not None:
         options["connect_timeout"] = connect_timeout_s
     return create_engine(
@@ -133,40 +124,3 @@ def upgrade(url: str, revision: str = "head") -> None:
     from alembic import command
 
     command.upgrade(alembic_config(url), revision)
-
-
-def migrations() -> tuple[set[str], set[str]]:
-    """Every revision of this package's migrations, and the heads (those no other revises):
-    what Alembic finds, read from each file's ``revision`` and ``down_revision`` without
-    running the file."""
-    revises: dict[str, set[str]] = {}
-    for path in sorted((MIGRATIONS / "versions").glob("*.py")):
-        names = _assignments(path, ("revision", "down_revision"))
-        if isinstance(names.get("revision"), str):
-            down = names.get("down_revision")
-            revises[names["revision"]] = {down} if isinstance(down, str) else set(down or ())
-    known = set(revises)
-    return known, known - set[str]().union(*revises.values())
-
-
-def _assignments(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
-    """The literal values a module assigns to ``names`` at its top level."""
-    found: dict[str, Any] = {}
-    for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            target, value = node.target, node.value
-        else:
-            continue
-        if isinstance(target, ast.Name) and target.id in names:
-            found[target.id] = ast.literal_eval(value)
-    return found
-
-
-def schema_revisions(conn: Connection) -> set[str]:
-    """The revisions the database's schema is at (Alembic's version table); none without
-    that table."""
-    if conn.exec_driver_sql("SELECT to_regclass('alembic_version')").scalar() is None:
-        return set()
-    return set(conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars())

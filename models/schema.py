@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -14,6 +15,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -21,12 +23,27 @@ from sqlalchemy import (
     func,
 )
 from sqlalchemy.dialects.postgresql import BYTEA, JSON, JSONB
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 from models.states import JobState
-from models.tokens import TokenArray
+from models.tokens import pack, unpack
 
 _STATES = ", ".join(f"'{s.value}'" for s in JobState)
+
+
+class TokenArray(TypeDecorator[list[int]]):
+    """A column holding a list of token ids (models.tokens' packed bytes)."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: Sequence[int] | None, dialect: Dialect) -> bytes | None:
+        return None if value is None else pack(value)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> list[int] | None:
+        return None if value is None else unpack(bytes(value))
 
 
 class Base(DeclarativeBase):

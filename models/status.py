@@ -12,106 +12,137 @@ work) to now. In a run's first minutes a window is mostly time before anything w
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Sequence
-from datetime import datetime, timedelta
-from typing import Any
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, Select, column, func, select, table, text
-from sqlalchemy.dialects.postgresql import JSONB
+from psycopg import Connection, Cursor
+from psycopg.rows import namedtuple_row
 
 from core.samples import variants_of
 from models.ledger import BudgetBasis, ReservePolicy, reservation
 from models.records import DatasetStatus, ServerStatus, StatusSnapshot, Window
 from models.states import JobState
 
+# The Repository's engine is only a type here: `eaglegen status` reads through psycopg
+# alone and imports no SQLAlchemy (models.pg; BENCHMARKS.md, "CLI start-up").
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
 # The windows rates are measured over, in seconds, shortest first; the longest bounds
 # every scan.
 WINDOWS_S = (60, 600)
 
-# The columns status reads, as plain tables named as in models.schema: `eaglegen status`
-# runs without importing the ORM (BENCHMARKS.md, "CLI start-up"); tests/unit/
-# test_schema_reads.py checks each column against models.schema.
-_RUNS = table("runs", column("id"), column("name"), column("order_seed"), column("family"))
-_DATASETS = table(
-    "datasets",
-    column("id"),
-    column("run_id"),
-    column("name"),
-    column("sampling_params", JSONB),
-    column("budget_tokens"),
-    column("budget_basis"),
-    column("used_tokens"),
-    column("reserved_tokens"),
-    column("reserve"),
-    column("observed_reserve_tokens"),
-    column("jobs_queued"),
-    column("jobs_running"),
-    column("jobs_done"),
-    column("jobs_failed"),
-    column("jobs_skipped"),
-    column("done_prompt_tokens"),
-    column("done_completion_tokens"),
-    column("first_done_at"),
-    column("last_done_at"),
-    column("turns"),
-    column("samples"),
-    column("variants"),
-)
-_CONVERSATIONS = table(
-    "conversations",
-    column("dataset_id"),
-    column("state"),
-    column("ended_reason"),
-    column("points"),
-    column("turns"),
-)
-_JOBS = table("jobs", column("dataset_id"), column("state"), column("published_at"))
-_GENERATIONS = table(
-    "generations",
-    column("dataset_id"),
-    column("prompt_tokens"),
-    column("completion_tokens"),
-    column("e2e_latency"),
-    column("server"),
-    column("created_at"),
-)
-_FAILED_ATTEMPTS = table(
-    "failed_attempts", column("dataset_id"), column("server"), column("kind"), column("at")
-)
+# Each job state's counter column on the dataset row (models.counters).
 _STATE_COLUMNS = {
-    JobState.QUEUED: _DATASETS.c.jobs_queued,
-    JobState.RUNNING: _DATASETS.c.jobs_running,
-    JobState.DONE: _DATASETS.c.jobs_done,
-    JobState.FAILED: _DATASETS.c.jobs_failed,
-    JobState.SKIPPED_BUDGET: _DATASETS.c.jobs_skipped,
+    JobState.QUEUED: "jobs_queued",
+    JobState.RUNNING: "jobs_running",
+    JobState.DONE: "jobs_done",
+    JobState.FAILED: "jobs_failed",
+    JobState.SKIPPED_BUDGET: "jobs_skipped",
 }
+
+_DATASETS = f"""
+SELECT d.id, d.name, r.name AS run,
+       {", ".join(f"d.{column} AS {state.value}" for state, column in _STATE_COLUMNS.items())},
+       d.done_prompt_tokens, d.done_completion_tokens, d.budget_tokens, d.budget_basis,
+       d.used_tokens, d.reserved_tokens, d.first_done_at, d.last_done_at, d.reserve,
+       d.observed_reserve_tokens, d.turns, d.samples, d.variants,
+       (d.sampling_params ->> 'max_new_tokens')::integer AS max_new_tokens
+FROM datasets d JOIN runs r ON r.id = d.run_id
+WHERE %(run)s::text IS NULL OR r.name = %(run)s
+ORDER BY r.name, d.name
+"""
+
+# Queued jobs with a message out, per dataset (a few: the window), by partial index.
+_PUBLISHED = """
+SELECT dataset_id, count(*) FROM jobs
+WHERE state = %(queued)s AND published_at IS NOT NULL
+GROUP BY dataset_id
+"""
+
+
+def _window_columns(seconds: int) -> str:
+    """A window's completions, tokens, and the start of its earliest generation (recorded at
+    created_at, after e2e_latency seconds of work)."""
+    within = f"FILTER (WHERE created_at > now() - interval '{seconds} seconds')"
+    return (
+        f"count(*) {within} AS n_{seconds},"
+        f" coalesce(sum(completion_tokens) {within}, 0) AS completion_{seconds},"
+        f" coalesce(sum(prompt_tokens) {within}, 0) AS prompt_{seconds},"
+        f" min(created_at - make_interval(0, 0, 0, 0, 0, 0, e2e_latency)) {within}"
+        f" AS started_{seconds}"
+    )
+
+
+# Per dataset and server, each window's figures.
+_RECENT_GENERATIONS = f"""
+SELECT dataset_id, server, {", ".join(map(_window_columns, WINDOWS_S))}
+FROM generations WHERE created_at > now() - interval '{max(WINDOWS_S)} seconds'
+GROUP BY dataset_id, server
+"""
+
+# Failed attempts per dataset, server and class within the longest window.
+_RECENT_ERRORS = f"""
+SELECT dataset_id, server, kind, count(*) AS n FROM failed_attempts
+WHERE at > now() - interval '{max(WINDOWS_S)} seconds'
+GROUP BY dataset_id, server, kind
+"""
+
+# Conversations by dataset, state and end reason, with the turns still to come of those
+# under way (a scan of the conversations: one row per multi-turn row, far fewer than the
+# jobs).
+_CONVERSATIONS = """
+SELECT dataset_id, state, ended_reason, count(*) AS n,
+       coalesce(sum(points - turns) FILTER (WHERE state IN ('active', 'waiting')), 0)
+           AS to_come,
+       coalesce(sum(turns), 0) AS turns, coalesce(sum(points), 0) AS points
+FROM conversations
+GROUP BY dataset_id, state, ended_reason
+"""
+
+_CONNECTIONS = """
+SELECT count(*) FILTER (WHERE backend_type = 'client backend'),
+       current_setting('max_connections')::int
+FROM pg_stat_activity
+"""
 
 
 class StatusQueries:
-    """Mixin of the Repository: the functions below as its methods."""
+    """Mixin of the Repository: the functions below as its methods, on a pooled
+    connection's psycopg connection."""
 
     engine: Engine
 
     def status(self, run: str | None = None) -> StatusSnapshot:
         """Every dataset (of ``run``, or of all runs) and server, as of one instant."""
-        return read_status(self.engine, run)
+        with self._driver() as conn:
+            return read_status(conn, run)
 
     def postgres_connections(self) -> tuple[int, int]:
         """Client connections open on the server now, and its ``max_connections``."""
-        return postgres_connections(self.engine)
+        with self._driver() as conn:
+            return postgres_connections(conn)
+
+    @contextmanager
+    def _driver(self) -> Iterator[Connection[Any]]:
+        with self.engine.connect() as pooled:
+            driver = pooled.connection.driver_connection
+            assert driver is not None, "a checked-out connection has its driver connection"
+            yield driver
 
 
-def read_status(engine: Engine, run: str | None = None) -> StatusSnapshot:
+def read_status(conn: Connection[Any], run: str | None = None) -> StatusSnapshot:
     """Every dataset (of ``run``, or of all runs) and server, as of one instant."""
-    with engine.begin() as conn:  # one transaction: one now() for every figure
-        now = conn.execute(select(func.now())).scalar_one()
-        datasets = conn.execute(_datasets(run)).all()
-        recent = conn.execute(_recent_generations()).all()
-        errors = conn.execute(_recent_errors()).all()
-        published = dict(conn.execute(_published()).all())
-        seeds = dict(conn.execute(select(_RUNS.c.name, _RUNS.c.order_seed)).all())
-        families = dict(conn.execute(select(_RUNS.c.name, _RUNS.c.family)).all())
-        conversations = conn.execute(_conversations()).all()
+    with conn.transaction(), _named_rows(conn) as cursor:  # one transaction: one now()
+        now = _one(cursor, "SELECT now()")
+        datasets = cursor.execute(_DATASETS, {"run": run}).fetchall()
+        recent = cursor.execute(_RECENT_GENERATIONS).fetchall()
+        errors = cursor.execute(_RECENT_ERRORS).fetchall()
+        published = dict(cursor.execute(_PUBLISHED, {"queued": JobState.QUEUED.value}))
+        runs = {r.name: r for r in cursor.execute("SELECT name, order_seed, family FROM runs")}
+        conversations = cursor.execute(_CONVERSATIONS).fetchall()
     ours = {int(d.id) for d in datasets}
     recent = [r for r in recent if r.dataset_id in ours]
     errors = [e for e in errors if e.dataset_id in ours]
@@ -129,100 +160,28 @@ def read_status(engine: Engine, run: str | None = None) -> StatusSnapshot:
         ],
         servers=_servers(recent, errors, now),
         unattributed_errors=_unattributed(errors),
-        order_seeds={r: int(seeds[r]) for r in sorted({d.run for d in datasets})},
-        families={r: families[r] for r in sorted({d.run for d in datasets})},
+        order_seeds={r: int(runs[r].order_seed) for r in sorted({d.run for d in datasets})},
+        families={r: runs[r].family for r in sorted({d.run for d in datasets})},
         published=sum(int(published.get(d, 0)) for d in ours),
     )
 
 
-def postgres_connections(engine: Engine) -> tuple[int, int]:
+def postgres_connections(conn: Connection[Any]) -> tuple[int, int]:
     """Client connections open on the server now, and its ``max_connections``."""
-    with engine.connect() as conn:
-        row = conn.execute(
-            text(
-                "SELECT count(*) FILTER (WHERE backend_type = 'client backend'),"
-                " current_setting('max_connections')::int FROM pg_stat_activity"
-            )
-        ).one()
+    row = conn.execute(_CONNECTIONS).fetchone()
+    assert row is not None, "an aggregate returns one row"
     return int(row[0]), int(row[1])
 
 
-def _datasets(run: str | None) -> Select[*tuple[Any, ...]]:
-    stmt = select(
-        _DATASETS.c.id,
-        _DATASETS.c.name,
-        _RUNS.c.name.label("run"),
-        *(counter.label(state.value) for state, counter in _STATE_COLUMNS.items()),
-        _DATASETS.c.done_prompt_tokens,
-        _DATASETS.c.done_completion_tokens,
-        _DATASETS.c.budget_tokens,
-        _DATASETS.c.budget_basis,
-        _DATASETS.c.used_tokens,
-        _DATASETS.c.reserved_tokens,
-        _DATASETS.c.first_done_at,
-        _DATASETS.c.last_done_at,
-        _DATASETS.c.reserve,
-        _DATASETS.c.observed_reserve_tokens,
-        _DATASETS.c.turns,
-        _DATASETS.c.samples,
-        _DATASETS.c.variants,
-        _DATASETS.c.sampling_params["max_new_tokens"].as_integer().label("max_new_tokens"),
-    ).join(_RUNS, _RUNS.c.id == _DATASETS.c.run_id)
-    stmt = stmt.order_by(_RUNS.c.name, _DATASETS.c.name)
-    return stmt if run is None else stmt.where(_RUNS.c.name == run)
+def _named_rows(conn: Connection[Any]) -> Cursor[Any]:
+    """A cursor whose rows are named tuples (each column an attribute)."""
+    return conn.cursor(row_factory=namedtuple_row)
 
 
-def _published() -> Select[*tuple[Any, ...]]:
-    """Queued jobs with a message out, per dataset (a few: the window), by partial index."""
-    return (
-        select(_JOBS.c.dataset_id, func.count())
-        .where(_JOBS.c.state == JobState.QUEUED.value, _JOBS.c.published_at.is_not(None))
-        .group_by(_JOBS.c.dataset_id)
-    )
-
-
-def _since(seconds: int) -> Any:
-    return func.now() - timedelta(seconds=seconds)
-
-
-def _recent_generations() -> Select[*tuple[Any, ...]]:
-    """Per dataset and server, completions and tokens within each window, and when the
-    earliest generation of each window started."""
-    started = _GENERATIONS.c.created_at - func.make_interval(
-        0, 0, 0, 0, 0, 0, _GENERATIONS.c.e2e_latency
-    )
-    columns = []
-    for seconds in WINDOWS_S:
-        within = _GENERATIONS.c.created_at > _since(seconds)
-        columns += [
-            func.count().filter(within).label(f"n_{seconds}"),
-            func.coalesce(func.sum(_GENERATIONS.c.completion_tokens).filter(within), 0).label(
-                f"completion_{seconds}"
-            ),
-            func.coalesce(func.sum(_GENERATIONS.c.prompt_tokens).filter(within), 0).label(
-                f"prompt_{seconds}"
-            ),
-            func.min(started).filter(within).label(f"started_{seconds}"),
-        ]
-    return (
-        select(_GENERATIONS.c.dataset_id, _GENERATIONS.c.server, *columns)
-        .where(_GENERATIONS.c.created_at > _since(max(WINDOWS_S)))
-        .group_by(_GENERATIONS.c.dataset_id, _GENERATIONS.c.server)
-    )
-
-
-def _recent_errors() -> Select[*tuple[Any, ...]]:
-    """Failed attempts per dataset, server and class within the longest window."""
-    return (
-        select(
-            _FAILED_ATTEMPTS.c.dataset_id,
-            _FAILED_ATTEMPTS.c.server,
-            _FAILED_ATTEMPTS.c.kind,
-            func.count().label("n"),
-        )
-        .where(_FAILED_ATTEMPTS.c.at > _since(max(WINDOWS_S)))
-        .group_by(_FAILED_ATTEMPTS.c.dataset_id, _FAILED_ATTEMPTS.c.server, _FAILED_ATTEMPTS.c.kind)
-    )
+def _one(cursor: Cursor[Any], sql: str) -> Any:
+    row = cursor.execute(sql).fetchone()
+    assert row is not None, "a SELECT without FROM returns one row"
+    return row[0]
 
 
 def _windows(rows: Sequence[Any], now: datetime) -> tuple[Window, ...]:
@@ -246,23 +205,6 @@ def _covered(seconds: int, starts: Sequence[datetime | None], now: datetime) -> 
     if not known:
         return None
     return min(float(seconds), max(0.0, (now - min(known)).total_seconds()))
-
-
-def _conversations() -> Select[*tuple[Any, ...]]:
-    """Conversations by dataset, state and end reason, with the turns still to come of
-    those under way (a scan of the conversations: one row per multi-turn row, far fewer
-    than the jobs)."""
-    c = _CONVERSATIONS.c
-    under_way = c.state.in_(("active", "waiting"))
-    return select(
-        c.dataset_id,
-        c.state,
-        c.ended_reason,
-        func.count().label("n"),
-        func.coalesce(func.sum(c.points - c.turns).filter(under_way), 0).label("to_come"),
-        func.coalesce(func.sum(c.turns), 0).label("turns"),
-        func.coalesce(func.sum(c.points), 0).label("points"),
-    ).group_by(c.dataset_id, c.state, c.ended_reason)
 
 
 def _dataset(

@@ -27,6 +27,7 @@ from eaglegen.stack import FLOWER_AUTH_ENV, MissingExtraError, StackSearch, find
 # Imported by every command, its --help included: what only some commands use (the settings
 # and pydantic, the models, SQLAlchemy, Redis) is imported where it is used.
 if TYPE_CHECKING:
+    from psycopg import Connection
     from sqlalchemy import Engine
 
     from core.settings import ServerSpec, Services, Settings
@@ -251,6 +252,34 @@ def checked_connection(settings: Settings) -> Iterator[tuple[str, Engine]]:
 
 
 @contextmanager
+def checked_reader(settings: Settings) -> Iterator[tuple[str, Connection[Any]]]:
+    """`database` on the connection the command then uses, (URL, connection): a plain
+    psycopg connection (`open_reader`), for a command that reads through psycopg alone and
+    so starts without importing SQLAlchemy (`status`)."""
+    import psycopg
+
+    from eaglegen import preflight
+
+    url = named_database(settings)
+    try:
+        conn = open_reader(url)
+    except psycopg.Error as exc:
+        raise preflight.unusable(url, exc) from exc
+    with conn:
+        preflight.check_connection(conn, url)
+        yield url, conn
+
+
+def open_reader(database_url: str) -> Connection[Any]:
+    """A plain psycopg connection (models.pg) with a command's session settings (see
+    `one_connection`); psycopg's OperationalError when Postgres cannot be reached."""
+    from eaglegen.preflight import CONNECT_TIMEOUT_S
+    from models.pg import connect
+
+    return connect(database_url, hold_limit_ms=CONTROL_LOCK_MS, connect_timeout_s=CONNECT_TIMEOUT_S)
+
+
+@contextmanager
 def checked_repository(settings: Settings) -> Iterator[Repository]:
     """A repository on `checked_connection`."""
     from models.repository import Repository
@@ -292,8 +321,7 @@ def repository(database_url: str) -> Iterator[Repository]:
 
 @contextmanager
 def one_connection(database_url: str) -> Iterator[Engine]:
-    """An engine of one pooled connection, disposed of afterwards: a repository's, or the
-    engine of a command that reads through one models module alone (`status`)."""
+    """An engine of one pooled connection, disposed of afterwards: a repository's."""
     from eaglegen import preflight
     from models.db import make_engine
 

@@ -22,13 +22,14 @@ from eaglegen.cli.base import (
     DatabaseUrl,
     DataDir,
     JsonFlag,
-    checked_connection,
+    checked_reader,
     checked_repository,
     command,
     console,
     emit_json,
     err,
     load_settings,
+    open_reader,
 )
 from eaglegen.report.text import inline
 
@@ -58,26 +59,24 @@ def status(
 ) -> None:
     """Jobs by state, tokens, budgets, rates and ETA per dataset; servers; the run's ETA."""
     from eaglegen.report.status import connections_warning, status_document, status_view
-    from models.db import lost_database
     from models.status import postgres_connections, read_status
 
     settings = load_settings(database_url=database_url, broker_url=broker_url, data_dir=data_dir)
     name = None if run is None else check_name("run", run)
-    with checked_connection(settings) as (url, engine):
+    with checked_reader(settings) as (url, conn):
         if watch and not json_out:
             out = console()
             refresh = Refresh(
-                lambda: _view(settings, read_status(engine, name)),
-                url,
-                interval,
-                keep=out.is_terminal,
+                lambda: _view(settings, _read(url, name)), url, interval, keep=out.is_terminal
             )
             _watch(refresh, interval, out)
             return
         try:
-            snapshot = read_status(engine, name)
-            in_use, limit = postgres_connections(engine)
+            snapshot = read_status(conn, name)
+            in_use, limit = postgres_connections(conn)
         except Exception as exc:
+            from models.db import lost_database
+
             reason = lost_database(exc)
             if reason is None:
                 raise
@@ -147,6 +146,15 @@ def _exporter(*args: Any, **kwargs: Any) -> None:
         highlight=False,
     )
     metrics(*args, **kwargs)
+
+
+def _read(url: str, run: str | None) -> StatusSnapshot:
+    """A snapshot read on a connection of its own: each refresh of `status --watch` connects
+    again, so one that follows a lost Postgres needs nothing reset."""
+    from models.status import read_status
+
+    with open_reader(url) as conn:
+        return read_status(conn, run)
 
 
 def _view(settings: Settings, snapshot: StatusSnapshot) -> Group:

@@ -41,11 +41,11 @@ HEAVY = frozenset(
 )
 # A command's help reads no service and no setting.
 NOT_FOR_HELP = HEAVY | {"sqlalchemy", "psycopg", "redis", "pydantic_settings", "core.settings"}
-# Without a broker, status reads Postgres only.
-NOT_FOR_STATUS = HEAVY | {"redis"}
+# Without a broker, status reads Postgres only, through psycopg alone (models.pg).
+NOT_FOR_STATUS = HEAVY | {"redis", "sqlalchemy"}
 # With one, Redis too: the reasons of the servers' limits come from core.limits, not from
 # worker.controller (which imports httpx and kombu).
-NOT_FOR_STATUS_WITH_REDIS = HEAVY | {"worker.controller"}
+NOT_FOR_STATUS_WITH_REDIS = HEAVY | {"worker.controller", "sqlalchemy"}
 
 
 # `eaglegen ARGS` as the console script runs it, writing the names in sys.modules at exit
@@ -84,7 +84,7 @@ def test_status_help_imports_no_service_client_and_no_heavy_library(tmp_path: Pa
 
 def test_status_imports_no_heavy_library(database_url: str, tmp_path: Path) -> None:
     loaded = imported("status", env={"EAGLEGEN_DATABASE_URL": database_url}, tmp_path=tmp_path)
-    assert {"sqlalchemy", "psycopg", "models.status"} <= loaded
+    assert {"psycopg", "models.status"} <= loaded
     assert loaded & NOT_FOR_STATUS == set()
 
 

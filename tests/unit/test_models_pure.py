@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from core.sampling import DEFAULTS, complete
 from core.settings import Settings
-from core.urls import normalize_database_url, redact
+from core.urls import libpq_url, normalize_database_url, redact
 from models.tokens import pack, unpack
 
 
@@ -22,6 +22,16 @@ def test_database_urls_are_normalized_to_psycopg() -> None:
     assert normalize_database_url("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
     with pytest.raises(ValueError, match="postgresql"):
         normalize_database_url("mysql://u:secret@h/db")
+
+
+def test_database_urls_for_libpq_keep_everything_but_the_driver() -> None:
+    embedded = "postgresql+psycopg://postgres@/postgres?host=/tmp/a%20b"
+    assert libpq_url(embedded) == "postgresql://postgres@/postgres?host=/tmp/a%20b"
+    assert libpq_url("postgres://u:p%40ss@h:5433/db?sslmode=require") == (
+        "postgresql://u:p%40ss@h:5433/db?sslmode=require"
+    )
+    with pytest.raises(ValueError, match="postgresql"):
+        libpq_url("mysql://u:secret@h/db")
 
 
 def test_redact_hides_passwords() -> None:
