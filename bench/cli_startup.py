@@ -42,6 +42,7 @@ import psycopg
 
 from bench.common import scratch_database
 from bench.status import PG, RUN, populate
+from core.urls import libpq_url
 
 DATABASE = "eaglegen_bench_cli_startup"
 TYPER_APP = """
@@ -86,7 +87,7 @@ app()
 def built(admin_url: str, jobs: int) -> str | None:
     """The scratch database's URL when it already holds bench.status's run with ``jobs``
     jobs (a previous run of this benchmark), else None."""
-    plain = admin_url.replace("postgresql+psycopg", "postgresql", 1)
+    plain = libpq_url(admin_url)
     head, sep, query = plain.partition("?")
     url = f"{head.rsplit('/', 1)[0]}/{DATABASE}{sep}{query}"
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 import psycopg
 import redis
 
+from core.urls import libpq_url
 from models.db import upgrade
 
 WORDS = (
@@ -52,7 +53,7 @@ WORDS = (
 
 def scratch_database(admin_url: str, name: str) -> str:
     """A freshly migrated database ``name`` next to ``admin_url``; its URL."""
-    plain = admin_url.replace("postgresql+psycopg", "postgresql", 1)
+    plain = libpq_url(admin_url)
     with psycopg.connect(plain, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{name}"')

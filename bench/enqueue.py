@@ -39,6 +39,7 @@ from bench.common import scratch_database, scratch_redis, write_short_prompts
 from bench.procs import descendants, eaglegen_command
 from core.broker import Publisher
 from core.settings import Settings
+from core.urls import libpq_url
 from eaglegen.assets import TOKENIZER_DIR
 from models.db import make_engine
 from models.records import DatasetSpec, JobBatch, RunSpec
@@ -288,7 +289,7 @@ class _ServerClock:
 
     def __init__(self, database: str, broker: str) -> None:
         self._redis = redis.Redis.from_url(broker)
-        self._pg = psycopg.connect(database.replace("postgresql+psycopg", "postgresql", 1))
+        self._pg = psycopg.connect(libpq_url(database))
         self._last_pg = self._backends_cpu()
         self._last_redis = self._redis_cpu()
 

@@ -33,6 +33,7 @@ from psycopg.types.json import Jsonb
 
 from bench.common import scratch_database
 from bench.procs import eaglegen_command, peak_rss_samples
+from core.urls import libpq_url
 from eaglegen.assets import TOKENIZER_DIR, special_ids
 from models.db import make_engine
 from models.records import DatasetSpec, JobBatch, RunSpec, prompt_sha256
@@ -106,7 +107,7 @@ def populate(
     try:
         run_id = repo.ensure_run(RunSpec(RUN, tokenizer, "a" * 64, "b" * 64, "bench"))
         dataset_id = repo.ensure_dataset(run_id, DatasetSpec("d", "x", {"max_new_tokens": 1024}))
-        plain = url.replace("postgresql+psycopg", "postgresql", 1)
+        plain = libpq_url(url)
         with psycopg.connect(plain) as conn:
             for start in range(0, n, _BATCH):
                 count = min(_BATCH, n - start)

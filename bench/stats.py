@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 
 from bench.common import scratch_database
 from bench.procs import eaglegen_command, peak_rss_samples
+from core.urls import libpq_url
 from eaglegen.assets import TOKENIZER_DIR
 from models.tokens import pack
 
@@ -111,7 +112,7 @@ def populate(url: str, n: int) -> None:
     """One run of N done generations in the database at ``url``."""
     tokenizer = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
     eos = tokenizer.token_to_id("<|im_end|>")
-    plain = url.replace("postgresql+psycopg", "postgresql", 1)
+    plain = libpq_url(url)
     with psycopg.connect(plain) as conn:
         run_id = conn.execute(
             "INSERT INTO runs (name, tokenizer_path, tokenizer_sha256, chat_template_sha256,"

@@ -30,6 +30,7 @@ from typing import Any
 import psycopg
 
 from bench.common import scratch_database
+from core.urls import libpq_url
 from models.db import make_engine
 from models.records import DatasetSpec, RunSpec
 from models.repository import Repository
@@ -66,7 +67,7 @@ def populate(url: str, jobs: int, hours: float) -> None:
         for i in range(DATASETS)
     ]
     engine.dispose()
-    plain = url.replace("postgresql+psycopg", "postgresql", 1)
+    plain = libpq_url(url)
     with psycopg.connect(plain, autocommit=True) as conn:
         conn.execute("SET synchronous_commit = off")
         params = {"first": min(ids), "n_datasets": DATASETS, "jobs": jobs}

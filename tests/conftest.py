@@ -17,12 +17,12 @@ import pytest
 import redis
 
 from core.settings import ServerSpec, Settings
-from core.urls import normalize_database_url
+from core.urls import libpq_url, normalize_database_url
 from eaglegen.stack import EmbeddedPostgres, EmbeddedRedis
 from models.db import make_engine
 from models.repository import Repository
 from tests import requirements
-from tests.helpers import InspectRepository, libpq_url
+from tests.helpers import InspectRepository
 
 if TYPE_CHECKING:
     from eaglegen.sim import SimServer

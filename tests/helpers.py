@@ -10,7 +10,6 @@ from typing import Any
 from sqlalchemy import func, select
 
 from core.settings import Settings
-from core.urls import normalize_database_url
 from eaglegen.assets import CHAT_TEMPLATE, SAMPLE_DATASET, TOKENIZER_DIR
 from eaglegen.stack import EmbeddedRedis
 from models.repository import Repository
@@ -20,11 +19,6 @@ from producer.commands import run_enqueue
 from producer.plan import DatasetPlan, RunPlan
 from producer.rows import to_prompt
 from producer.stats import DatasetStats
-
-
-def libpq_url(url: str) -> str:
-    """A SQLAlchemy URL in the form psycopg.connect accepts."""
-    return normalize_database_url(url).replace("postgresql+psycopg", "postgresql", 1)
 
 
 def sample_rows(n: int) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import IO, TypeVar
 
 import psycopg
 
-from tests.helpers import libpq_url
+from core.urls import libpq_url
 
 T = TypeVar("T")
 # How long a condition may take before the test fails (a bound on failure, never a timing

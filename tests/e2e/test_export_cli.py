@@ -14,11 +14,11 @@ import psycopg
 import pytest
 
 from core.settings import Settings
-from core.urls import redact
+from core.urls import libpq_url, redact
 from eaglegen.assets import TOKENIZER_DIR
 from models.repository import Repository
 from tests.e2e.test_cli import eaglegen, service_env
-from tests.helpers import enqueue_file, libpq_url, write_jsonl
+from tests.helpers import enqueue_file, write_jsonl
 from tests.integration.test_export import export as export_pass
 from tests.integration.test_export import recorded_run
 from tests.integration.test_export_conversations import record_rows

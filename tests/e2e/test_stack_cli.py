@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 
+from core.urls import libpq_url
 from eaglegen.stack import free_port
-from tests.helpers import libpq_url
 
 pytestmark = pytest.mark.e2e
 

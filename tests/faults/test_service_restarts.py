@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from core.settings import Settings
+from core.urls import libpq_url
 from eaglegen.sim import SimServer
 from models.db import upgrade
 from models.repository import Repository
@@ -120,7 +121,7 @@ def test_workers_fit_a_postgres_of_few_connections_and_leave_some_for_commands(
     tmp_path: Path,
 ) -> None:
     """Three workers of 64 threads against max_connections = 30: each opened up to 64 before."""
-    plain = private_postgres.url.replace("postgresql+psycopg", "postgresql", 1)
+    plain = libpq_url(private_postgres.url)
     with psycopg.connect(plain, autocommit=True) as conn:
         conn.execute("ALTER SYSTEM SET max_connections = 30")
     private_postgres.stop()

@@ -21,8 +21,9 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from core.settings import Settings
+from core.urls import libpq_url
 from models.repository import Repository
-from tests.helpers import enqueue_file, libpq_url, sample_rows, write_jsonl
+from tests.helpers import enqueue_file, sample_rows, write_jsonl
 from tests.outage import wait_for
 from tests.workers import in_thread_worker
 from worker.app import release_held

@@ -17,7 +17,8 @@ import psycopg
 import pytest
 
 from core.settings import Settings
-from tests.helpers import enqueue_file, libpq_url, sample_rows, write_jsonl
+from core.urls import libpq_url
+from tests.helpers import enqueue_file, sample_rows, write_jsonl
 from tests.integration.test_worker_processes import worker_env
 
 

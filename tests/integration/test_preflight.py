@@ -8,8 +8,10 @@ import psycopg
 import pytest
 from alembic.script import ScriptDirectory
 
+from core.urls import libpq_url
 from eaglegen.preflight import ServiceError, check_broker, check_database
-from models.db import alembic_config
+from models.db import alembic_config, make_engine
+from models.pg import connect, schema_revisions
 
 # The newest migration: what this eaglegen asks an older schema to be upgraded to.
 HEAD = ScriptDirectory.from_config(alembic_config("postgresql://unused/db")).get_current_head()
@@ -23,7 +25,7 @@ def closed_port() -> int:
 
 
 def set_revision(database_url: str, revision: str | None) -> None:
-    plain = database_url.replace("postgresql+psycopg", "postgresql", 1)
+    plain = libpq_url(database_url)
     with psycopg.connect(plain, autocommit=True) as conn:
         conn.execute("DELETE FROM alembic_version")
         if revision is not None:
@@ -50,6 +52,28 @@ def test_a_schema_that_is_not_this_eaglegens_is_named(
     with pytest.raises(ServiceError) as info:
         check_database(database_url)
     assert message in str(info.value)
+
+
+def test_a_plain_connection_has_an_engines_session_settings(database_url: str) -> None:
+    """`eaglegen status` reads on a psycopg connection of models.pg, not on an engine's:
+    the same session settings, and the same revision as Alembic's."""
+    shown = "SHOW lock_timeout; SHOW idle_in_transaction_session_timeout"
+    engine = make_engine(database_url, pool_size=1, hold_limit_ms=1234)
+    try:
+        with engine.connect() as pooled:
+            expected = [pooled.exec_driver_sql(q).scalar() for q in shown.split("; ")]
+    finally:
+        engine.dispose()
+    with connect(database_url, hold_limit_ms=1234, connect_timeout_s=5) as conn:
+        assert conn.autocommit
+        assert [conn.execute(q).fetchone() for q in shown.split("; ")] == [
+            (value,) for value in expected
+        ]
+        assert expected == ["1234ms", "1234ms"]
+        with conn.cursor() as cursor:
+            assert schema_revisions(cursor) == {HEAD}
+            cursor.execute("DROP TABLE alembic_version")
+            assert schema_revisions(cursor) == set()
 
 
 def test_unreachable_services_are_named_without_their_passwords() -> None:

@@ -13,6 +13,7 @@ import redis
 from core import wire
 from core.broker import PUSH_BYTES, Publisher, waiting_job_ids
 from core.settings import Settings
+from core.urls import libpq_url
 from eaglegen.stack import EmbeddedRedis
 from models.records import GenerationRecord
 from models.repository import Repository
@@ -95,7 +96,7 @@ def test_audit_passes_on_a_clean_run_and_names_a_broken_ledger(
     time.sleep(1.2)
     assert any("expired" in p for p in repo.audit(lease_grace_s=0))
     assert settings.database_url is not None
-    url = settings.database_url.replace("postgresql+psycopg", "postgresql")
+    url = libpq_url(settings.database_url)
     with psycopg.connect(url, autocommit=True) as conn:  # corrupt the ledger on purpose
         conn.execute("UPDATE datasets SET used_tokens = used_tokens + 5")
     problems = repo.audit(lease_grace_s=60)
