@@ -55,10 +55,12 @@ WHERE %(run)s::text IS NULL OR r.name = %(run)s
 ORDER BY r.name, d.name
 """
 
-# Queued jobs with a message out, per dataset (a few: the window), by partial index.
-_PUBLISHED = """
+# Queued jobs with a message out, per dataset (a few: the window), by partial index (the
+# state is a literal, not a parameter: a plan psycopg prepares for a connection that asks
+# often, `metrics`, must still match the index's predicate).
+_PUBLISHED = f"""
 SELECT dataset_id, count(*) FROM jobs
-WHERE state = %(queued)s AND published_at IS NOT NULL
+WHERE state = '{JobState.QUEUED.value}' AND published_at IS NOT NULL
 GROUP BY dataset_id
 """
 
@@ -140,7 +142,7 @@ def read_status(conn: Connection[Any], run: str | None = None) -> StatusSnapshot
         datasets = cursor.execute(_DATASETS, {"run": run}).fetchall()
         recent = cursor.execute(_RECENT_GENERATIONS).fetchall()
         errors = cursor.execute(_RECENT_ERRORS).fetchall()
-        published = dict(cursor.execute(_PUBLISHED, {"queued": JobState.QUEUED.value}))
+        published = dict(cursor.execute(_PUBLISHED))
         runs = {r.name: r for r in cursor.execute("SELECT name, order_seed, family FROM runs")}
         conversations = cursor.execute(_CONVERSATIONS).fetchall()
     ours = {int(d.id) for d in datasets}
