@@ -266,6 +266,7 @@ def start(
     _on_shutdown(ctx, app, name, opened)
     ending = _Ending()
     celery_worker.logger.addFilter(ending)  # the logger of its "Unrecoverable error"
+    worker_shutting_down.connect(ending.shutting_down, weak=False)
     worker_shutdown.connect(ending.shutdown, weak=False)
     try:
         app.worker_main(
@@ -283,7 +284,10 @@ def start(
         holder.close()
     # worker_main drops Celery's exit code: a worker stopped by an unrecoverable error
     # (Redis refusing writes, say) would exit 0, and a supervisor that restarts on failure
-    # would leave it down.
+    # would leave it down. Celery's code for Ctrl-C is a failure too; here it is the stop
+    # asked for, as SIGTERM's is (the line above says how it went).
+    if ending.interrupted:
+        return 0
     if ending.exitcode:
         log.error("worker stopped (exit %d): %s", ending.exitcode, ending.cause or "see above")
     return ending.exitcode
@@ -291,12 +295,18 @@ def start(
 
 class _Ending(logging.Filter):
     """How Celery's worker ended: its exit code (from the worker_shutdown signal, whose
-    sender is the worker) and the last CRITICAL line it logged (its "Unrecoverable error")."""
+    sender is the worker), the last CRITICAL line it logged (its "Unrecoverable error") and
+    whether a Ctrl-C stopped it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.exitcode = 0
         self.cause = ""
+        self.interrupted = False
+
+    def shutting_down(self, sig: str = "", **_: Any) -> None:
+        """worker_shutting_down receiver: whether the stop came from a Ctrl-C."""
+        self.interrupted = self.interrupted or sig == "SIGINT"
 
     def shutdown(self, sender: Any = None, **_: Any) -> None:
         """worker_shutdown receiver."""

@@ -44,6 +44,16 @@ def worker(
     numa_node: Annotated[
         str | None, typer.Option(help="Pin to NUMA node N, a list 0,1, or auto (one per node)")
     ] = None,
+    processes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Worker processes to start (unpinned; they share the in-flight limits): "
+            "more than one where one process's CPU is the limit, with hundreds of requests in "
+            "flight or streamed answers; --concurrency is per process",
+        ),
+    ] = 1,
     check: Annotated[
         bool, typer.Option("--check", help="Exit 0 if this host's workers are alive, else 1")
     ] = False,
@@ -54,7 +64,7 @@ def worker(
             max=65535,
             envvar="EAGLEGEN_METRICS_PORT",
             help="Serve Prometheus metrics on this port (all interfaces); a process pinned "
-            "to NUMA node K uses this port + K",
+            "to NUMA node K, or the K-th of --processes (from 0), uses this port + K",
         ),
     ] = None,
     database_url: DatabaseUrl = None,
@@ -86,6 +96,4 @@ def worker(
     passthrough = [f"--server={s}" for s in server]
     if concurrency is not None:
         passthrough.append(f"--concurrency={concurrency}")
-    if metrics_port is not None:
-        passthrough.append(f"--metrics-port={metrics_port}")
-    raise typer.Exit(run_worker(settings, live, numa_node, passthrough))
+    raise typer.Exit(run_worker(settings, live, numa_node, passthrough, processes))

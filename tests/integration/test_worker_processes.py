@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +264,63 @@ def test_a_stopping_worker_says_what_it_waits_for_and_how_that_ended(
 
 def _running(repo: Repository) -> int:
     return sum(c.states.get("running", 0) for c in repo.counts())
+
+
+def test_processes_start_workers_that_share_the_limit_and_one_ctrl_c_stops_each_once(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    log = tmp_path / "workers.log"
+    with SimServer(SLOW) as sim, log.open("w") as out:
+        env = worker_env(settings, [{"name": "sim", "url": sim.url, "max_inflight": LIMIT}])
+        command = [sys.executable, "-m", "eaglegen", "worker", "--processes", "2"]
+        # In a session of its own, as a terminal's foreground job: a Ctrl-C signals the group.
+        parent = subprocess.Popen(
+            [*command, "--concurrency", "8"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        children: set[int] = set()
+        try:
+
+            def two_workers() -> set[int] | None:
+                pids = live_pids(settings)
+                return pids if len(pids) == 2 else None
+
+            children = wait_for(two_workers, what="two live worker processes", log=log)
+            assert settings.broker_url is not None
+            with InFlightSampler(sim.url, settings.broker_url, "sim") as sampler:
+                path = write_jsonl(tmp_path / "rows.jsonl", sample_rows(48))
+                enqueue_file(settings, path, max_new_tokens=24)
+                states = wait_settled(repo, timeout_s=60)
+            os.killpg(parent.pid, signal.SIGINT)  # Ctrl-C
+            parent.wait(timeout=60)
+        finally:
+            if parent.poll() is None:  # the test failed before its end
+                for pid in {parent.pid, *children}:
+                    with suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)  # each a session (and group) leader
+                parent.wait()
+    output = log.read_text()
+    assert parent.pid not in children and parent.returncode == 0, output[-3000:]
+    assert states["done"] == 48 and sum(states.values()) == 48
+    # 16 threads want to run; the server never sees more than the limit the two share.
+    assert max(sampler.server_counts) == LIMIT, sampler.server_counts
+    with repo.engine.connect() as conn:
+        workers = conn.scalar(text("SELECT count(DISTINCT worker) FROM jobs"))
+    assert workers == 2  # both processes took jobs
+    # Each child got the Ctrl-C once (a second would be Celery's cold shutdown), stopped as
+    # a worker does and took its heartbeat with it.
+    assert output.count("worker stopping (SIGINT)") == 2, output[-3000:]
+    assert "Hitting Ctrl+C again will terminate" not in output  # Celery, at a second one
+    assert output.count("worker stopped: ") == 2, output[-3000:]
+    assert "(exit " not in output  # a Ctrl-C is the stop asked for: no error, exit 0
+    assert live_pids(settings) == set()
+
+
+def test_processes_and_numa_node_are_refused_together(settings: Settings, sim: SimServer) -> None:
+    env = worker_env(settings, [{"name": "sim", "url": sim.url}])
+    result = eaglegen(env, "worker", "--processes", "2", "--numa-node", "0")
+    assert result.returncode == 2
+    message = " ".join(result.stderr.split())
+    assert "--processes starts unpinned worker processes and --numa-node pins them" in message
+    assert settings.broker_url is not None
+    assert heartbeat.alive(settings.broker_url, None, 60) == []
