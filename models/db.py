@@ -60,16 +60,21 @@ def make_engine(
     )
 
 
+def driver_connection(conn: Connection) -> psycopg.Connection[Any]:
+    """The psycopg connection under a checked-out SQLAlchemy connection."""
+    driver = conn.connection.driver_connection
+    assert driver is not None, "a checked-out connection has its driver connection"
+    return driver  # type: ignore[no-any-return]
+
+
 @contextmanager
 def driver_cursor(conn: Connection) -> Iterator[psycopg.Cursor[Any]]:
     """A psycopg cursor (rows as named tuples) on ``conn``'s connection, inside its
     transaction: for the statements SQLAlchemy cannot run (COPY) or that skip its execution
     layer (models.attempt). A driver error comes out as the SQLAlchemy error any other
     query raises (OperationalError for a lost server or a lock timeout)."""
-    driver = conn.connection.driver_connection
-    assert driver is not None, "a checked-out connection has its driver connection"
     try:
-        with driver.cursor(row_factory=namedtuple_row) as cursor:
+        with driver_connection(conn).cursor(row_factory=namedtuple_row) as cursor:
             yield cursor
     except psycopg.Error as exc:
         raise DBAPIError.instance(None, None, exc, psycopg.Error) from exc

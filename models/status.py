@@ -12,8 +12,7 @@ work) to now. In a run's first minutes a window is mostly time before anything w
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -119,20 +118,17 @@ class StatusQueries:
 
     def status(self, run: str | None = None) -> StatusSnapshot:
         """Every dataset (of ``run``, or of all runs) and server, as of one instant."""
-        with self._driver() as conn:
-            return read_status(conn, run)
+        from models.db import driver_connection
+
+        with self.engine.connect() as pooled:
+            return read_status(driver_connection(pooled), run)
 
     def postgres_connections(self) -> tuple[int, int]:
         """Client connections open on the server now, and its ``max_connections``."""
-        with self._driver() as conn:
-            return postgres_connections(conn)
+        from models.db import driver_connection
 
-    @contextmanager
-    def _driver(self) -> Iterator[Connection[Any]]:
         with self.engine.connect() as pooled:
-            driver = pooled.connection.driver_connection
-            assert driver is not None, "a checked-out connection has its driver connection"
-            yield driver
+            return postgres_connections(driver_connection(pooled))
 
 
 def read_status(conn: Connection[Any], run: str | None = None) -> StatusSnapshot:
