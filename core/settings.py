@@ -6,13 +6,16 @@ resolves them once into ``Services``, which is what everything below it is hande
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, get_args, get_origin
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core.urls import normalize_database_url, redact
 
@@ -63,12 +66,18 @@ def server_location(url: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class Settings(BaseSettings):
+ENV_PREFIX = "EAGLEGEN_"
+
+
+class Settings(BaseModel):
     """Everything a process needs to find its services; flags override the environment."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="EAGLEGEN_", extra="ignore", hide_input_in_errors=True
-    )
+    model_config = ConfigDict(extra="ignore", hide_input_in_errors=True)
+
+    def __init__(self, **values: Any) -> None:
+        """The values given, over the fields' ``EAGLEGEN_*`` environment variables (what
+        was set either way is in ``model_fields_set``)."""
+        super().__init__(**{**from_environment(os.environ), **values})
 
     database_url: str | None = None
     broker_url: str | None = None
@@ -176,6 +185,36 @@ class Settings(BaseSettings):
         if value is not None and urlsplit(value).scheme not in ("redis", "rediss", "redis+socket"):
             raise ValueError(f"broker url must be a redis:// url, got scheme of {redact(value)}")
         return value
+
+
+def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings that ``environ`` sets: ``EAGLEGEN_<FIELD>`` in any case, a list's or a
+    model's value as JSON, any other as its text for the field's validation: what
+    pydantic-settings did with these fields. Read here, its import stays out of every
+    command's start-up (BENCHMARKS.md, "CLI start-up")."""
+    names = {ENV_PREFIX.lower() + name: name for name in Settings.model_fields}
+    found: dict[str, Any] = {}
+    for key, text in environ.items():
+        name = names.get(key.lower())
+        if name is None:
+            continue
+        if not _takes_json(Settings.model_fields[name].annotation):
+            found[name] = text
+            continue
+        try:
+            found[name] = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{key} is not JSON: {exc}") from None
+    return found
+
+
+def _takes_json(annotation: Any) -> bool:
+    """Whether a field of this type is set from JSON text (a list, a dict or a model)."""
+    if get_origin(annotation) in (list, dict):
+        return True
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_takes_json(arg) for arg in get_args(annotation) if arg is not type(None))
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ HEAVY = frozenset(
     }
 )
 # A command's help reads no service and no setting.
-NOT_FOR_HELP = HEAVY | {"sqlalchemy", "psycopg", "redis", "pydantic_settings", "core.settings"}
+NOT_FOR_HELP = HEAVY | {"sqlalchemy", "psycopg", "redis", "core.settings"}
 # Without a broker, status reads Postgres only, through psycopg alone (models.pg).
 NOT_FOR_STATUS = HEAVY | {"redis", "sqlalchemy"}
 # With one, Redis too: the reasons of the servers' limits come from core.limits, not from
