@@ -132,10 +132,11 @@ def read_all(client: redis.Redis, host: str | None = None) -> list[Heartbeat]:
 
 def alive(broker_url: str, host: str | None, max_age_s: float) -> list[Heartbeat]:
     """Heartbeats of workers on ``host`` (all hosts when None) younger than ``max_age_s``."""
-    client = redis.Redis.from_url(broker_url, socket_connect_timeout=5)
-    try:
-        now = redis_now(client)
-        beats = read_all(client, host)
-    finally:
-        client.close()
-    return [b for b in beats if now - b.ts <= max_age_s]
+    with redis.Redis.from_url(broker_url, socket_connect_timeout=5) as client:
+        return alive_on(client, host, max_age_s)
+
+
+def alive_on(client: redis.Redis, host: str | None, max_age_s: float) -> list[Heartbeat]:
+    """``alive`` on a client the caller holds."""
+    now = redis_now(client)
+    return [b for b in read_all(client, host) if now - b.ts <= max_age_s]

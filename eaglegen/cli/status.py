@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import typer
 from rich.console import Console, Group, RenderableType
@@ -36,6 +36,8 @@ from eaglegen.report.text import inline
 # Redis's client, and what reads Redis, are imported once a broker is configured: without
 # one, status reads Postgres only.
 if TYPE_CHECKING:
+    import redis
+
     from core.heartbeat import Heartbeat
     from core.settings import Settings
     from models.records import StatusSnapshot
@@ -81,16 +83,16 @@ def status(
             if reason is None:
                 raise
             raise ValueError(f"lost Postgres at {redact(url)}: {scrub(reason, url)}") from exc
-    beats = _beats(settings.broker_url)
+    beats, state, eviction = _read_redis(settings)
     if json_out:
-        document = status_document(snapshot, beats, _redis_state(settings, beats))
+        document = status_document(snapshot, beats, state)
         document["postgres_connections"] = {"in_use": in_use, "max": limit}
         emit_json(document)
     else:
-        console().print(status_view(snapshot, beats, _redis_state(settings, beats)))
+        console().print(status_view(snapshot, beats, state))
     warnings = [
         connections_warning(in_use, limit),
-        broker_warning(settings.broker_url),
+        eviction,
         *_unserved(beats),
         *_model_changes(beats),
     ]
@@ -161,8 +163,8 @@ def _view(settings: Settings, snapshot: StatusSnapshot) -> Group:
     """The terminal view of a snapshot with what Redis says now."""
     from eaglegen.report.status import status_view
 
-    beats = _beats(settings.broker_url)
-    return status_view(snapshot, beats, _redis_state(settings, beats))
+    beats, state, _ = _read_redis(settings)
+    return status_view(snapshot, beats, state)
 
 
 class Refresh:
@@ -232,47 +234,60 @@ def _watch(view: Callable[[], RenderableType], interval: float, out: Console) ->
         return
 
 
-def _beats(broker_url: str | None) -> list[Heartbeat] | None:
-    """The live workers' heartbeats; None without a broker or when it does not answer
-    (status reads Postgres first; servers' live state is a bonus)."""
-    if broker_url is None:
-        return None
-    import redis
+class RedisView(NamedTuple):
+    """What status shows from Redis: None each without a broker or when it does not answer."""
 
-    from core import heartbeat
-
-    try:
-        return heartbeat.alive(broker_url, None, BEAT_MAX_AGE_S)
-    except redis.RedisError:
-        return None
+    beats: list[Heartbeat] | None = None
+    # Messages waiting in the queue list, the feeder's bound (from its last pass) and why
+    # each adaptive limit is what it is.
+    state: dict[str, Any] | None = None
+    eviction: str | None = None  # what to do about Redis's eviction policy, if anything
 
 
-def _redis_state(settings: Settings, beats: list[Heartbeat] | None) -> dict[str, Any] | None:
-    """What Redis holds besides heartbeats: messages waiting in the queue list, the
-    feeder's bound (from its last pass), and why each adaptive limit is what it is; None
-    without a broker or when it does not answer."""
+def _read_redis(settings: Settings) -> RedisView:
+    """What status shows from Redis, on one client (status reads Postgres first; the live
+    workers and the queue are a bonus)."""
     if settings.broker_url is None:
-        return None
+        return RedisView()
     import json
 
     import redis
 
     from core import keys
+    from core.heartbeat import alive_on
     from core.limits import read_limit
 
-    servers = sorted({name for beat in beats or [] for name in beat.servers})
     try:
-        with redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5) as client:
+        with redis.Redis.from_url(
+            settings.broker_url, socket_connect_timeout=5, socket_timeout=5
+        ) as client:
+            beats = alive_on(client, None, BEAT_MAX_AGE_S)
+            servers = sorted({name for beat in beats for name in beat.servers})
             waiting = int(client.llen(settings.queue))
             report = client.get(keys.feeder_report(settings.queue))
             records = {name: read_limit(client, name) for name in servers}
+            eviction = _eviction(client)
     except redis.RedisError:
-        return None
-    return {
+        return RedisView()
+    state = {
         "in_redis": waiting,
         "bound": None if report is None else json.loads(report).get("window"),
         "limit_reasons": {name: r.reason for name, r in records.items() if r is not None},
     }
+    return RedisView(beats, state, eviction)
+
+
+def _eviction(client: redis.Redis) -> str | None:
+    """``core.broker.eviction_warning``; None where INFO is refused (an ACL may deny it
+    and allow the rest)."""
+    import redis
+
+    from core.broker import eviction_warning
+
+    try:
+        return eviction_warning(client)
+    except redis.ResponseError:
+        return None
 
 
 def _unserved(beats: list[Heartbeat] | None) -> list[str]:
@@ -297,21 +312,3 @@ def _model_changes(beats: list[Heartbeat] | None) -> list[str]:
         f"seen by worker {worker}): runs for {previous} are no longer generated there"
         for (name, model, previous), worker in sorted(changes.items(), key=lambda c: str(c[0]))
     ]
-
-
-def broker_warning(broker_url: str | None) -> str | None:
-    """Redis's eviction policy, when a broker is configured and answers (status reads
-    Postgres only; an unreachable Redis is not this command's business)."""
-    if broker_url is None:
-        return None
-    import redis
-
-    from core.broker import eviction_warning
-
-    client = redis.Redis.from_url(broker_url, socket_connect_timeout=2, socket_timeout=2)
-    try:
-        return eviction_warning(client)
-    except redis.RedisError:
-        return None
-    finally:
-        client.close()

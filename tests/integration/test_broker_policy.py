@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +44,29 @@ def test_status_names_an_evicting_redis(settings: Settings, evicting_redis: str)
     assert loud.returncode == 0
     assert WARNING in " ".join(loud.stderr.split())
     assert "noeviction" in loud.stderr
+
+
+def test_status_reads_the_rest_of_redis_where_an_acl_refuses_info(
+    settings: Settings, evicting_redis: str
+) -> None:
+    client = redis.Redis.from_url(evicting_redis)
+    client.acl_setuser(
+        "reader",
+        enabled=True,
+        passwords=["+s3cret"],
+        keys=["*"],
+        categories=["+@all"],
+        commands=["-info"],
+    )
+    client.close()
+    url = evicting_redis.replace("redis://", "redis://reader:s3cret@", 1)
+    with redis.Redis.from_url(url) as reader, pytest.raises(redis.ResponseError):
+        reader.info("memory")
+    shown = eaglegen({**worker_env(settings, []), "EAGLEGEN_BROKER_URL": url}, "status", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert "maxmemory-policy" not in shown.stderr
+    assert json.loads(shown.stdout)["window"]["in_redis"] == 0  # the queue was read all the same
+    assert "s3cret" not in shown.stdout + shown.stderr
 
 
 def test_a_worker_on_an_evicting_redis_says_so_at_start(
