@@ -23,7 +23,6 @@ from models.ledger import ReservePolicy
 from models.order import new_seed, sort_key
 from models.plan import PlanQueries
 from models.records import (
-    DatasetCounts,
     DatasetSpec,
     JobBatch,
     NewJob,
@@ -33,6 +32,7 @@ from models.records import (
 )
 from models.rejected import RejectedQueries
 from models.schema import Dataset, Generation, Job, RejectedRow, Run
+from models.snapshot import DatasetCounts
 from models.states import JobState
 from models.status import StatusQueries
 

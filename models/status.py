@@ -21,7 +21,7 @@ from psycopg.rows import namedtuple_row
 
 from core.samples import variants_of
 from models.ledger import BudgetBasis, ReservePolicy, reservation
-from models.records import DatasetStatus, ServerStatus, StatusSnapshot, Window
+from models.snapshot import DatasetStatus, ServerStatus, StatusSnapshot, Window
 from models.states import JobState
 
 # The Repository's engine is only a type here: `eaglegen status` reads through psycopg

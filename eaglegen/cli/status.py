@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from core.heartbeat import Heartbeat
     from core.settings import Settings
-    from models.records import StatusSnapshot
+    from models.snapshot import StatusSnapshot
 
 app = typer.Typer()
 # A heartbeat older than this is a worker gone (heartbeats are renewed every few seconds).

@@ -43,7 +43,7 @@ from typing import Any
 
 from eaglegen.report.progress import eta_at, run_progress
 from models.plan import DatasetLengths
-from models.records import DatasetStatus
+from models.snapshot import DatasetStatus
 
 # SGLang's defaults (srt/environ.py: SGLANG_INIT_NEW_TOKEN_RATIO,
 # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR, SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION); the scheduler

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from models.records import DatasetStatus, ServerStatus, Window
+from models.snapshot import DatasetStatus, ServerStatus, Window
 
 if TYPE_CHECKING:
     from core.heartbeat import Heartbeat  # it imports Redis's client; only the type is used

@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from eaglegen.report.status import status_document
-from models.records import StatusSnapshot
+from models.snapshot import StatusSnapshot
 
 _DATASET = ["run", "dataset"]
 

@@ -21,7 +21,7 @@ from eaglegen.report.progress import (
 )
 from eaglegen.report.text import shown, visible
 from models.ledger import format_tokens
-from models.records import DatasetCounts, DatasetStatus, StatusSnapshot
+from models.snapshot import DatasetCounts, DatasetStatus, StatusSnapshot
 from models.states import JobState
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from eaglegen.report import plan as p
 from eaglegen.sim import metrics as sim_metrics
 from eaglegen.sim import scheduler as sim_scheduler
 from models.plan import DatasetLengths
-from models.records import DatasetStatus, Window
+from models.snapshot import DatasetStatus, Window
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 # The real run's server (/work/shared/background/case-study.txt): 159K tokens of bf16 KV.

@@ -16,7 +16,7 @@ from eaglegen.report.progress import (
     whole_run_rate,
     window_rate,
 )
-from models.records import DatasetStatus, ServerStatus, Window
+from models.snapshot import DatasetStatus, ServerStatus, Window
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 
