@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,6 +68,21 @@ def test_status_reads_the_rest_of_redis_where_an_acl_refuses_info(
     assert "maxmemory-policy" not in shown.stderr
     assert json.loads(shown.stdout)["window"]["in_redis"] == 0  # the queue was read all the same
     assert "s3cret" not in shown.stdout + shown.stderr
+
+
+def test_status_leaves_out_a_redis_that_connects_and_never_answers(settings: Settings) -> None:
+    """The connection is made (the kernel completes it in the backlog); no reply ever
+    comes: status shows Postgres's figures without Redis's (each answer has a timeout;
+    ``eaglegen`` gives up after 60 s)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        shown = eaglegen(
+            {**worker_env(settings, []), "EAGLEGEN_BROKER_URL": url}, "status", "--json"
+        )
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["window"]["in_redis"] is None
 
 
 def test_a_worker_on_an_evicting_redis_says_so_at_start(
