@@ -249,8 +249,6 @@ def _read_redis(settings: Settings) -> RedisView:
     workers and the queue are a bonus)."""
     if settings.broker_url is None:
         return RedisView()
-    import json
-
     import redis
 
     from core import keys
@@ -271,10 +269,22 @@ def _read_redis(settings: Settings) -> RedisView:
         return RedisView()
     state = {
         "in_redis": waiting,
-        "bound": None if report is None else json.loads(report).get("window"),
+        "bound": _bound(report),
         "limit_reasons": {name: r.reason for name, r in records.items() if r is not None},
     }
     return RedisView(beats, state, eviction)
+
+
+def _bound(report: bytes | None) -> int | None:
+    """The window's bound in the feeder's last report; None without one or from one that
+    is not the feeder's (a hand edit, another version)."""
+    import json
+
+    try:
+        bound = None if report is None else json.loads(report)["window"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return bound if isinstance(bound, int) and not isinstance(bound, bool) else None
 
 
 def _eviction(client: redis.Redis) -> str | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from core import keys
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
 from eaglegen.sim import SimConfig, SimServer
@@ -83,6 +84,19 @@ def test_status_leaves_out_a_redis_that_connects_and_never_answers(settings: Set
         )
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["window"]["in_redis"] is None
+
+
+@pytest.mark.parametrize("report", [b"not json", b"[1]", b'{"window": "9"}', b"{}"])
+def test_status_shows_no_bound_from_a_feeder_report_it_cannot_read(
+    settings: Settings, report: bytes
+) -> None:
+    assert settings.broker_url is not None
+    with redis.Redis.from_url(settings.broker_url) as client:
+        client.set(keys.feeder_report(settings.queue), report)
+    shown = eaglegen(worker_env(settings, []), "status", "--json")
+    assert shown.returncode == 0, shown.stderr
+    window = json.loads(shown.stdout)["window"]
+    assert window["bound"] is None and window["in_redis"] == 0
 
 
 def test_a_worker_on_an_evicting_redis_says_so_at_start(
