@@ -107,8 +107,11 @@ class Publisher:
 def eviction_warning(client: redis.Redis) -> str | None:
     """What to do when Redis may evict keys under memory pressure (queued messages among
     them, silently), else None. Read from INFO, which managed Redis allows where CONFIG is
-    refused."""
-    policy = client.info("memory").get("maxmemory_policy")
+    refused; None too where an ACL refuses INFO as well (nothing else here needs it)."""
+    try:
+        policy = client.info("memory").get("maxmemory_policy")
+    except redis.ResponseError:
+        return None
     if policy in (None, "noeviction"):
         return None
     return (

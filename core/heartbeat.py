@@ -132,7 +132,7 @@ def read_all(client: redis.Redis, host: str | None = None) -> list[Heartbeat]:
 
 def alive(broker_url: str, host: str | None, max_age_s: float) -> list[Heartbeat]:
     """Heartbeats of workers on ``host`` (all hosts when None) younger than ``max_age_s``."""
-    with redis.Redis.from_url(broker_url, socket_connect_timeout=5) as client:
+    with redis.Redis.from_url(broker_url, socket_connect_timeout=5, socket_timeout=5) as client:
         return alive_on(client, host, max_age_s)
 
 

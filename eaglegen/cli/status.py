@@ -36,8 +36,6 @@ from eaglegen.report.text import inline
 # Redis's client, and what reads Redis, are imported once a broker is configured: without
 # one, status reads Postgres only.
 if TYPE_CHECKING:
-    import redis
-
     from core.heartbeat import Heartbeat
     from core.settings import Settings
     from models.snapshot import StatusSnapshot
@@ -252,6 +250,7 @@ def _read_redis(settings: Settings) -> RedisView:
     import redis
 
     from core import keys
+    from core.broker import eviction_warning
     from core.heartbeat import alive_on
     from core.limits import read_limit
 
@@ -264,7 +263,7 @@ def _read_redis(settings: Settings) -> RedisView:
             waiting = int(client.llen(settings.queue))
             report = client.get(keys.feeder_report(settings.queue))
             records = {name: read_limit(client, name) for name in servers}
-            eviction = _eviction(client)
+            eviction = eviction_warning(client)
     except redis.RedisError:
         return RedisView()
     state = {
@@ -285,19 +284,6 @@ def _bound(report: bytes | None) -> int | None:
     except (ValueError, TypeError, KeyError):
         return None
     return bound if isinstance(bound, int) and not isinstance(bound, bool) else None
-
-
-def _eviction(client: redis.Redis) -> str | None:
-    """``core.broker.eviction_warning``; None where INFO is refused (an ACL may deny it
-    and allow the rest)."""
-    import redis
-
-    from core.broker import eviction_warning
-
-    try:
-        return eviction_warning(client)
-    except redis.ResponseError:
-        return None
 
 
 def _unserved(beats: list[Heartbeat] | None) -> list[str]:

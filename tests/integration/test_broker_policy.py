@@ -48,27 +48,48 @@ def test_status_names_an_evicting_redis(settings: Settings, evicting_redis: str)
     assert "noeviction" in loud.stderr
 
 
-def test_status_reads_the_rest_of_redis_where_an_acl_refuses_info(
-    settings: Settings, evicting_redis: str
-) -> None:
-    client = redis.Redis.from_url(evicting_redis)
-    client.acl_setuser(
-        "reader",
-        enabled=True,
-        passwords=["+s3cret"],
-        keys=["*"],
-        categories=["+@all"],
-        commands=["-info"],
-    )
-    client.close()
+@pytest.fixture
+def info_refusing_redis(evicting_redis: str) -> str:
+    """The evicting Redis as a user whose ACL refuses INFO (and allows every other command),
+    as managed Redis services may: whether it evicts cannot be known."""
+    with redis.Redis.from_url(evicting_redis) as admin:
+        admin.acl_setuser(
+            "reader",
+            enabled=True,
+            passwords=["+s3cret"],
+            keys=["*"],
+            channels=["*"],
+            categories=["+@all"],
+            commands=["-info"],
+        )
     url = evicting_redis.replace("redis://", "redis://reader:s3cret@", 1)
     with redis.Redis.from_url(url) as reader, pytest.raises(redis.ResponseError):
         reader.info("memory")
-    shown = eaglegen({**worker_env(settings, []), "EAGLEGEN_BROKER_URL": url}, "status", "--json")
+    return url
+
+
+def test_status_reads_the_rest_of_redis_where_an_acl_refuses_info(
+    settings: Settings, info_refusing_redis: str
+) -> None:
+    env = {**worker_env(settings, []), "EAGLEGEN_BROKER_URL": info_refusing_redis}
+    shown = eaglegen(env, "status", "--json")
     assert shown.returncode == 0, shown.stderr
     assert "maxmemory-policy" not in shown.stderr
     assert json.loads(shown.stdout)["window"]["in_redis"] == 0  # the queue was read all the same
     assert "s3cret" not in shown.stdout + shown.stderr
+
+
+def test_a_worker_runs_where_an_acl_refuses_info(
+    settings: Settings, sim: SimServer, info_refusing_redis: str, tmp_path: Path
+) -> None:
+    acl = settings.model_copy(update={"broker_url": info_refusing_redis})
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(8)]
+    enqueue_file(acl, write_jsonl(tmp_path / "d.jsonl", rows), max_new_tokens=16)
+    log = tmp_path / "worker.log"
+    with worker_process(worker_env(acl, [{"name": "sim", "url": sim.url}]), log):
+        wait_for(lambda: _count(acl, JobState.DONE) == 8, 60, "8 jobs done", log)
+    text = " ".join(log.read_text().split())
+    assert "Traceback" not in text and "maxmemory-policy" not in text, text[-2000:]
 
 
 def test_status_leaves_out_a_redis_that_connects_and_never_answers(settings: Settings) -> None:
