@@ -157,10 +157,15 @@ def test_one_controller_moves_the_shared_limit_to_the_knee_and_the_router_holds_
     headroom = Tuning().headroom(8)
     assert 8 + headroom <= record.limit <= 8 + 2 * headroom + 1 < START
     assert "queue" in record.reason
-    # The Router honours it: no more in flight than the limit of the last half second (the
-    # cache's tenth of a second, then the requests sent before a cut finish).
-    for i in range(5, len(held)):
-        assert held[i][0] <= max(limit for _, limit in held[i - 5 : i + 1]), held
+    # The Router honours it. Requests sent before a cut drain at the server's pace (slower on a
+    # loaded machine), so the count may stay over a new limit for a while, but it never grows
+    # there: once a limit has stood for three samples (every cache older than its tenth of a
+    # second, with time to spare for a thread paused between reading the limit and taking a
+    # slot), the count is at most the limit or the previous count. And it drains to the limit.
+    for i in range(3, len(held)):
+        if len({limit for _, limit in held[i - 3 : i + 1]}) == 1:
+            assert held[i][0] <= max(held[i - 1][0], held[i][1]), held
+    assert any(n <= limit for n, limit in held[5:] if limit < START), held
     assert max(n for n, _ in held[:5]) > record.limit  # and the start let more through
 
 
