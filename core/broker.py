@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Iterator, Mapping, Sequence
@@ -149,3 +150,21 @@ def _queue_messages(client: redis.Redis, queue: str) -> Iterator[Any]:
     while chunk := client.lrange(queue, start, start + SCAN_CHUNK - 1):
         yield from chunk
         start += SCAN_CHUNK
+
+
+def store_feed_report(
+    client: redis.Redis, queue: str, report: Mapping[str, Any], ttl_s: int
+) -> None:
+    """Leave the feeder's last pass in Redis for `status` (``feed_bound``); it expires."""
+    client.set(keys.feeder_report(queue), json.dumps(report), ex=ttl_s)
+
+
+def feed_bound(client: redis.Redis, queue: str) -> int | None:
+    """The window's bound in the feeder's last report; None without one, or from one that
+    is not the feeder's (a hand edit, another version)."""
+    report = client.get(keys.feeder_report(queue))
+    try:
+        bound = None if report is None else json.loads(report)["window"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return bound if isinstance(bound, int) and not isinstance(bound, bool) else None

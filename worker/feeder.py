@@ -11,7 +11,6 @@ backoff is over.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter
@@ -20,8 +19,8 @@ from dataclasses import dataclass
 
 import redis
 
-from core import heartbeat, keys, wire
-from core.broker import Publisher
+from core import heartbeat, wire
+from core.broker import Publisher, store_feed_report
 from models.feed import FeedDataset
 from models.repository import Repository
 from worker.shares import allocate, share_of
@@ -142,8 +141,7 @@ class Feeder:
 
     def _report(self, report: FeedReport) -> FeedReport:
         """Leave the pass's figures for `status`."""
-        key = keys.feeder_report(self.publisher.queue)
-        self.client.set(key, json.dumps(report.as_dict()), ex=REPORT_TTL_S)
+        store_feed_report(self.client, self.publisher.queue, report.as_dict(), REPORT_TTL_S)
         return report
 
     def _window(self) -> int:

@@ -249,8 +249,7 @@ def _read_redis(settings: Settings) -> RedisView:
         return RedisView()
     import redis
 
-    from core import keys
-    from core.broker import eviction_warning
+    from core.broker import eviction_warning, feed_bound
     from core.heartbeat import alive_on
     from core.limits import read_limit
 
@@ -261,29 +260,17 @@ def _read_redis(settings: Settings) -> RedisView:
             beats = alive_on(client, None, BEAT_MAX_AGE_S)
             servers = sorted({name for beat in beats for name in beat.servers})
             waiting = int(client.llen(settings.queue))
-            report = client.get(keys.feeder_report(settings.queue))
+            bound = feed_bound(client, settings.queue)
             records = {name: read_limit(client, name) for name in servers}
             eviction = eviction_warning(client)
     except redis.RedisError:
         return RedisView()
     state = {
         "in_redis": waiting,
-        "bound": _bound(report),
+        "bound": bound,
         "limit_reasons": {name: r.reason for name, r in records.items() if r is not None},
     }
     return RedisView(beats, state, eviction)
-
-
-def _bound(report: bytes | None) -> int | None:
-    """The window's bound in the feeder's last report; None without one or from one that
-    is not the feeder's (a hand edit, another version)."""
-    import json
-
-    try:
-        bound = None if report is None else json.loads(report)["window"]
-    except (ValueError, TypeError, KeyError):
-        return None
-    return bound if isinstance(bound, int) and not isinstance(bound, bool) else None
 
 
 def _unserved(beats: list[Heartbeat] | None) -> list[str]:
