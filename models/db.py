@@ -81,6 +81,20 @@ def driver_cursor(conn: Connection) -> Iterator[psycopg.Cursor[Any]]:
 
 
 @contextmanager
+def autocommit_cursor(engine: Engine) -> Iterator[psycopg.Cursor[Any]]:
+    """A psycopg cursor, as `driver_cursor`, on a pooled connection in autocommit: each
+    statement is its own transaction, committed as it ends, with no BEGIN or COMMIT round
+    trip. For statements that are atomic alone (models.attempt): their row locks end with
+    the statement, never held while the client, busy or waiting for the GIL, sends the
+    next one."""
+    with (
+        engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn,
+        driver_cursor(conn) as cursor,
+    ):
+        yield cursor
+
+
+@contextmanager
 def snapshot(engine: Engine) -> Iterator[Connection]:
     """A connection whose statements all read one snapshot of the database and write
     nothing (a REPEATABLE READ, read-only transaction, rolled back at the end): for reports

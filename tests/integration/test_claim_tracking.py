@@ -5,7 +5,7 @@ nothing (issue 27: after a SIGTERM, jobs stayed `running` while their worker "re
 The worker reaches the test's real Postgres through a proxy that, once, lets the claim of a
 job reach the server and then ends that session with ``pg_terminate_backend`` from another
 connection: after the claim committed (its answer dropped on the way back), or before the
-claim's statement reached the server (its transaction rolled back)."""
+claim's statement reached the server (nothing of it done)."""
 
 from __future__ import annotations
 
@@ -29,18 +29,17 @@ from tests.workers import in_thread_worker
 from worker.app import release_held
 from worker.runner import WorkerContext
 
-# The claim's statement (models/attempt.py `_TAKE`), as it crosses the wire, and the end of
-# its transaction.
+# The claim's statement (models/attempt.py `_TAKE`), as it crosses the wire. It runs in
+# autocommit: its answer comes once it has committed.
 CLAIM = b"UPDATE jobs SET state = 'running'"
-COMMIT = b"COMMIT"
 # A server message: its type byte and length (which counts itself, not the type).
 _HEADER = struct.Struct("!cI")
 
 
 class ClaimKiller:
     """A loopback proxy to Postgres that ends, once, the session that claims a job:
-    ``after_commit`` once the claim's COMMIT has been answered (the answer dropped: the claim
-    holds, its worker never hears so), else before the claim's statement reaches the server.
+    ``after_commit`` once the claim's statement has been answered (the answer dropped: the
+    claim holds, its worker never hears so), else before the statement reaches the server.
     ``on_kill`` runs first (the test stops the worker there, as a SIGTERM would)."""
 
     def __init__(self, database_url: str, *, after_commit: bool) -> None:
@@ -109,7 +108,7 @@ class _Session:
     def __init__(self, proxy: ClaimKiller, client: socket.socket, upstream: socket.socket):
         self.proxy, self.client, self.upstream = proxy, client, upstream
         self.pid: int | None = None  # the backend's, from its BackendKeyData message
-        self.phase = "idle"  # then "claiming", "committing", "killed"
+        self.phase = "idle"  # then "committing", "killed"
         self._start = b""  # the server's first bytes, until the pid is read from them
 
     def start(self) -> None:
@@ -131,15 +130,13 @@ class _Session:
                 assert self.pid is not None
                 self.proxy.kill(self.pid)  # the statement never reaches the server
                 return
-            self.phase = "claiming"
-        elif self.phase == "claiming" and COMMIT in data:
-            self.phase = "committing"  # before the COMMIT goes: its answer may come at once
+            self.phase = "committing"  # before the claim goes: its answer may come at once
         self.upstream.sendall(data)
 
     def _to_client(self, data: bytes) -> None:
         if self.pid is None:
             self._read_pid(data)
-        if self.phase == "committing":  # the COMMIT's answer: committed, never told
+        if self.phase == "committing":  # the claim's answer: committed, never told
             self.phase = "killed"
             assert self.pid is not None
             self.proxy.kill(self.pid)

@@ -14,8 +14,9 @@ from models.states import JobState
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from tests.integration.test_pipeline import worker
 
-# What a worker does between its claim's ledger UPDATE and its COMMIT, frozen right there:
-# the session is idle in a transaction holding the dataset row's lock.
+# A transaction that writes a dataset's ledger row (a worker's release of a job, `budget
+# set`), frozen between that UPDATE and its COMMIT: the session is idle in a transaction
+# holding the dataset row's lock.
 FREEZE = """
 import os, signal, sys
 from sqlalchemy import text
