@@ -230,8 +230,7 @@ def one_run(
             deadline = time.monotonic() + args.timeout_s
             finished = False
             while time.monotonic() < deadline:
-                [counts] = repo.counts(run)
-                if counts.states["queued"] + counts.states["running"] == 0:
+                if repo.open_jobs(run) == 0:
                     finished = True
                     break
                 time.sleep(0.5)

@@ -129,9 +129,7 @@ def one_run(
         enqueue(settings, rows, run, args.max_new_tokens)
         deadline = time.monotonic() + args.timeout_s
         while time.monotonic() < deadline:
-            [counts] = repo.counts(run)
-            open_jobs = counts.states["queued"] + counts.states["running"]
-            if not open_jobs and not repo.conversations_under_way(run):
+            if not repo.open_jobs(run) and not repo.conversations_under_way(run):
                 break
             time.sleep(0.5)
     with repo.engine.connect() as conn:

@@ -412,6 +412,15 @@ class Repository(
             }
         return _assemble_counts(state_rows, completion_rows)
 
+    def open_jobs(self, run: str) -> int:
+        """Jobs of ``run`` still queued or running, from its datasets' job counters: one
+        row read per dataset, where `counts` scans the run's jobs and generations. For
+        waiting on a run while workers record into it."""
+        open_jobs = func.coalesce(func.sum(Dataset.jobs_queued + Dataset.jobs_running), 0)
+        query = select(open_jobs).join(Run, Run.id == Dataset.run_id).where(Run.name == run)
+        with self.engine.connect() as conn:
+            return int(conn.execute(query).scalar_one())
+
 
 def _check_samples(spec: DatasetSpec, samples: int, variants: list[dict[str, Any]]) -> None:
     """Refuse fewer samples than the dataset asks (nothing is ever deleted) or other

@@ -7,13 +7,13 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import OperationalError
 
 from models.db import is_lock_timeout, make_engine
 from models.records import DatasetSpec, GenerationRecord, JobBatch, NewJob, RunSpec
 from models.repository import DatasetMismatchError, Repository, RunMismatchError
-from models.schema import Job, Run
+from models.schema import Dataset, Job, Run
 from models.states import JobState
 from tests.helpers import InspectRepository
 
@@ -90,6 +90,43 @@ def test_a_job_recorded_twice_stays_one_row(repo: Repository) -> None:
     assert stored is not None and stored["output_ids"] == [100, 101, 102]
     job = repo.job(ids[0])
     assert job is not None and job["state"] == "done"
+
+
+def test_a_record_that_meets_a_stored_generation_changes_nothing(repo: Repository) -> None:
+    # Never while a claim holds; here the job is set running again by hand after its record.
+    # The record is one statement: its failed insert undoes the job's and the ledger's
+    # updates with it.
+    dataset_id, ids = make_dataset(repo, 1)
+    assert repo.claim(ids[0], "w", lease_seconds=60).job is not None
+    assert repo.record(ids[0], "w", generation()) is True
+    with repo.engine.begin() as conn:
+        conn.execute(
+            update(Job)
+            .where(Job.id == ids[0])
+            .values(state="running", worker="w", reserved_tokens=8)
+        )
+        conn.execute(update(Dataset).where(Dataset.id == dataset_id).values(reserved_tokens=8))
+    before = [b for b in repo.budgets() if b.dataset_id == dataset_id]
+    assert repo.record(ids[0], "w", generation(5)) is False
+    job = repo.job(ids[0])
+    assert job is not None and (job["state"], job["worker"]) == ("running", "w")
+    assert [b for b in repo.budgets() if b.dataset_id == dataset_id] == before
+    stored = repo.generation(ids[0])
+    assert stored is not None and stored["output_ids"] == [100, 101, 102]
+
+
+def test_open_jobs_follows_the_counters_through_claim_and_record(repo: Repository) -> None:
+    _, ids = make_dataset(repo, 3)
+    assert repo.open_jobs("r") == 3
+    repo.claim(ids[0], "w", lease_seconds=60)
+    assert repo.open_jobs("r") == 3  # running is open
+    repo.record(ids[0], "w", generation())
+    repo.claim(ids[1], "w", lease_seconds=60)
+    repo.fail(ids[1], "w", "HTTP 400")
+    assert repo.open_jobs("r") == 1
+    [counts] = repo.counts("r")
+    assert counts.states["queued"] + counts.states["running"] == 1
+    assert repo.open_jobs("no such run") == 0
 
 
 def test_a_worker_that_lost_its_claim_cannot_record(repo: Repository) -> None:
