@@ -5,7 +5,7 @@ record refreshes an estimate now and then), so no row lock is held across a roun
 with a transaction of several statements, the dataset's row, which every claim and record
 of the dataset updates, stayed locked while the client, one of a worker's busy threads,
 got the GIL back to send COMMIT, and the other threads' statements queued behind it
-(BENCHMARKS.md, "Orchestration ceiling").
+(BENCHMARKS.md, "The claim and the record as one statement each").
 
 They are written in SQL and run on the pooled connection's psycopg connection
 (``models.db.autocommit_cursor``), not through SQLAlchemy's execution layer: at a few
