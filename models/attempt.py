@@ -44,10 +44,11 @@ QUEUED, RUNNING = JobState.QUEUED, JobState.RUNNING
 
 # What a claim needs to know before it takes a job: the job's and its dataset's and run's
 # facts, read without a lock (they do not change while the job is queued, but for the
-# dataset's observed estimate, which only changes what the job holds: see `_take`).
-_FACTS = f"""
-SELECT jobs.id, jobs.dataset_id, {stored_prompt("input_ids")} AS input_ids,
-       jobs.prompt_tokens, jobs.variant, jobs.sampling_seed, jobs.opens_reasoning,
+# dataset's observed estimate, which only changes what the job holds: see `_need`). The
+# prompt's ids come with the take, only to the worker that wins the job.
+_FACTS = """
+SELECT jobs.id, jobs.dataset_id, jobs.prompt_tokens, jobs.variant, jobs.sampling_seed,
+       jobs.opens_reasoning,
        datasets.sampling_params, datasets.variants, datasets.budget_basis,
        datasets.reserve, datasets.observed_reserve_tokens,
        datasets.name AS dataset, runs.name AS run, runs.think_end_id, runs.vocab_size,
@@ -80,9 +81,10 @@ WITH queued AS (
            reserved_tokens = %(need)s
     FROM queued, reserved
     WHERE jobs.id = queued.id
-    RETURNING jobs.attempts
+    RETURNING jobs.attempts, {stored_prompt("input_ids")} AS input_ids
 )
-SELECT EXISTS (SELECT FROM queued) AS queued, (SELECT attempts FROM taken) AS attempts
+SELECT EXISTS (SELECT FROM queued) AS queued, (SELECT attempts FROM taken) AS attempts,
+       (SELECT input_ids FROM taken) AS input_ids
 """
 
 # A job whose reservation did not fit is skipped if settled usage reached the budget (the
@@ -193,7 +195,7 @@ def claim(engine: Engine, job_id: int, worker: str, lease_seconds: int) -> Claim
         if take.attempts is None:
             skipped = _one(cursor, _SKIP_IF_SPENT, {"job": job_id})
             return Claim("skipped" if skipped else "deferred")
-    return Claim("claimed", _claimed(facts, params, take.attempts, need))
+    return Claim("claimed", _claimed(facts, params, take, need))
 
 
 def _need(facts: Any, params: dict[str, Any]) -> int:
@@ -205,13 +207,13 @@ def _need(facts: Any, params: dict[str, Any]) -> int:
     return reservation(facts.prompt_tokens, max_new, BudgetBasis(facts.budget_basis), observed)
 
 
-def _claimed(facts: Any, params: dict[str, Any], attempts: int, need: int) -> ClaimedJob:
+def _claimed(facts: Any, params: dict[str, Any], take: Any, need: int) -> ClaimedJob:
     return ClaimedJob(
         id=facts.id,
         dataset_id=facts.dataset_id,
-        input_ids=unpack(facts.input_ids),
+        input_ids=unpack(take.input_ids),
         sampling_params=params,
-        attempts=attempts,
+        attempts=take.attempts,
         reserved_tokens=need,
         think_end_id=facts.think_end_id if facts.opens_reasoning else None,
         vocab_size=facts.vocab_size,
