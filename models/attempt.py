@@ -189,7 +189,7 @@ def claim(engine: Engine, job_id: int, worker: str, lease_seconds: int) -> Claim
         need = _need(facts, params)
         taken = {"job": job_id, "worker": worker, "lease": lease_seconds, "need": need}
         take = cursor.execute(_TAKE, taken).fetchone()
-        assert take is not None, "a SELECT of two values returns one row"
+        assert take is not None, "a SELECT without FROM returns one row"
         if not take.queued:
             return Claim("not_queued")
         if take.attempts is None:
