@@ -57,6 +57,12 @@ FROM jobs JOIN datasets ON datasets.id = jobs.dataset_id JOIN runs ON runs.id = 
 WHERE jobs.id = %(job)s AND jobs.state = 'queued'
 """
 
+# Lock the job's row if it is still queued (the first CTE of the take and the skip): a
+# job another worker took meanwhile drops out, after waiting for that worker's statement.
+_LOCK_QUEUED = """
+    SELECT id, dataset_id FROM jobs WHERE id = %(job)s AND state = 'queued' FOR UPDATE
+"""
+
 # Take the job if it is still queued and its reservation fits the ledger rule of
 # docs/design.md §4, all in one statement: `queued` locks the job's row (and drops it if
 # another worker took it meanwhile), `reserved` holds the tokens in the dataset's row and
@@ -65,9 +71,7 @@ WHERE jobs.id = %(job)s AND jobs.state = 'queued'
 # budget); or nothing is held and the budget is not spent, so that even a job larger than
 # the rest runs. Locks are taken in the record's order, the job's row before the dataset's.
 _TAKE = f"""
-WITH queued AS (
-    SELECT id, dataset_id FROM jobs WHERE id = %(job)s AND state = 'queued' FOR UPDATE
-), reserved AS (
+WITH queued AS ({_LOCK_QUEUED}), reserved AS (
     UPDATE datasets SET reserved_tokens = reserved_tokens + %(need)s,
            {moved_sql(QUEUED, RUNNING)}
     FROM queued
@@ -92,9 +96,7 @@ SELECT EXISTS (SELECT FROM queued) AS queued, (SELECT attempts FROM taken) AS at
 # dataset's row, waits for this skip and its re-queue then covers it), else left queued:
 # deferred while reservations are held.
 _SKIP_IF_SPENT = f"""
-WITH queued AS (
-    SELECT id, dataset_id FROM jobs WHERE id = %(job)s AND state = 'queued' FOR UPDATE
-), spent AS (
+WITH queued AS ({_LOCK_QUEUED}), spent AS (
     UPDATE datasets SET {moved_sql(QUEUED, JobState.SKIPPED_BUDGET)}
     FROM queued
     WHERE datasets.id = queued.dataset_id AND used_tokens >= budget_tokens
@@ -252,10 +254,11 @@ def record(engine: Engine, job_id: int, worker: str, gen: GenerationRecord) -> b
 def _estimate(cursor: Cursor[Any], dataset: Any) -> int | None:
     """The dataset's new observed estimate when this record is due to refresh it, else None.
 
-    Due by the count of done jobs that this record's statement left: two records may both
-    refresh, one after the other, which costs a second read and nothing else. Only a
-    budgeted dataset under "observed" reads its lengths: the others reserve nothing that
-    matters, or the worst case.
+    Due by the count of done jobs that this record's statement left: the statement counts
+    the job under the dataset row's lock and returns the new count, so each count reaches
+    one record and each due count refreshes once (or not at all if that record's refresh
+    fails; the next due count catches up). Only a budgeted dataset under "observed" reads
+    its lengths: the others reserve nothing that matters, or the worst case.
     """
     if dataset.reserve != ReservePolicy.OBSERVED or dataset.budget_tokens is None:
         return None
