@@ -24,7 +24,7 @@ from core.wire import TASK_GENERATE
 from worker import metrics
 from worker.background import Background
 from worker.celeryconfig import make_celery
-from worker.events import OpenTasks, announce_exit
+from worker.events import EventBatches, OpenTasks, announce_exit
 from worker.intake import default_threads
 from worker.numa import PinResult
 from worker.outages import one_line
@@ -114,6 +114,7 @@ def create_worker_app(
     app.conf.worker_concurrency = default_threads(settings, attached)
     holder = ContextHolder(settings, services, attached)
     app.steps["consumer"].add(_intake_gate(holder))
+    app.steps["consumer"].add(EventBatches)
 
     @app.task(  # type: ignore[untyped-decorator]
         name=TASK_GENERATE,

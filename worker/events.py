@@ -1,4 +1,13 @@
-"""The Celery events a worker sends besides Celery's own, so that Flower ends true.
+"""How a worker's Celery events reach Flower: task events sent in batches, and the events
+it sends besides Celery's own, so that Flower ends true.
+
+Celery buffers a worker's task events (received, started, succeeded, ...) and asks its event
+loop to flush the buffer at its next turn, so a busy worker publishes them nearly one by
+one: a kombu publish to Redis each (a message built, a pipeline for the fanout), a large
+share of the worker's CPU when jobs are short (BENCHMARKS.md, "Task events in batches").
+`EventBatches` flushes them on a timer instead, every `FLUSH_S`: one publish carries every
+event of that span, which Flower's receiver takes as a list, as it takes Celery's own
+batches. Flower sees a task's change up to `FLUSH_S` later.
 
 Celery closes a task in Flower with the event of how it ended (``task-succeeded``,
 ``task-failed``, ``task-retried``). A worker that stops sends none for the messages it gives
@@ -17,12 +26,53 @@ import threading
 from collections import Counter
 from typing import Any
 
-from celery import Celery
+from celery import Celery, bootsteps
 from celery.signals import task_postrun, task_received
 from celery.utils.sysinfo import load_average
 from celery.worker import state as worker_state
+from celery.worker.consumer.events import Events
 
 from core.wire import TASK_GENERATE
+
+# How long a task event may wait in the buffer before it is published with the others.
+FLUSH_S = 0.1
+# Celery flushes at once from the sending thread when a buffer holds this many (its
+# default, 24, would flush a busy worker's buffer several times in each FLUSH_S).
+BATCH_LIMIT = 1000
+
+
+class EventBatches(bootsteps.StartStopStep):  # type: ignore[misc]
+    """A consumer step that makes the event dispatcher Celery's Events step starts (again
+    after each reconnect) publish its buffered task events every FLUSH_S, not at each turn
+    of the event loop; on stop, what is buffered goes out and Celery's own flushing is
+    restored, for the events of the tasks that end while the worker drains."""
+
+    requires = (Events,)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        self._timer: Any = None
+
+    def start(self, c: Any) -> None:
+        dispatcher = c.event_dispatcher
+        if c.hub is None or dispatcher is None:
+            return  # no event loop: Celery buffers nothing
+        dispatcher.on_send_buffered = None
+        dispatcher.buffer_limit = BATCH_LIMIT
+        self._timer = c.hub.call_repeatedly(FLUSH_S, dispatcher.flush)
+
+    def stop(self, c: Any) -> None:
+        if self._timer is None:
+            return
+        self._timer.cancel()
+        self._timer = None
+        dispatcher = c.event_dispatcher
+        if dispatcher is not None:
+            dispatcher.on_send_buffered = c.on_send_event_buffered
+            dispatcher.flush()
+
+    def shutdown(self, c: Any) -> None:
+        self.stop(c)
 
 
 class OpenTasks:
