@@ -1,0 +1,113 @@
+"""The worker's Redis transport (worker.transport) sends each ack's removal from kombu's
+unacked index with the next pipeline of its channel, not in a round trip of its own: checked
+here with kombu's own consumer on a real Redis, and with a real worker, whose acks all reach
+Redis by the time it is idle, and which leaves nothing to come back to the queue at its stop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from core.settings import Settings
+from tests.helpers import InspectRepository, enqueue_file, sample_rows, write_jsonl
+from tests.integration.test_worker_processes import wait_for, worker_env, worker_process
+from worker.transport import Transport
+
+QUEUE = "acks-test"
+# kombu's ack emulation keeps each delivered message here until its ack.
+UNACKED, UNACKED_INDEX = "unacked", "unacked_index"
+
+
+@pytest.fixture
+def broker(broker_url: str) -> redis.Redis:
+    return redis.Redis.from_url(broker_url)
+
+
+def _connection(broker_url: str) -> Connection:
+    return Connection(broker_url, transport=Transport)
+
+
+def _publish(broker_url: str, n: int) -> None:
+    queue = Queue(QUEUE, Exchange(QUEUE), QUEUE)
+    with _connection(broker_url) as conn:
+        producer = Producer(conn.channel(), exchange=queue.exchange, routing_key=QUEUE)
+        for i in range(n):
+            producer.publish({"n": i}, declare=[queue], serializer="json")
+
+
+def _unacked(broker: redis.Redis) -> tuple[int, int]:
+    return int(broker.hlen(UNACKED)), int(broker.zcard(UNACKED_INDEX))
+
+
+@contextmanager
+def _consuming(broker_url: str, prefetch: int) -> Iterator[tuple[Connection, list[Any]]]:
+    """kombu's own consumer of QUEUE on the worker's transport, taking ``prefetch`` messages
+    at most before an ack; the connection and the messages received so far. Its channel
+    is closed at the end, as a stopping worker's is."""
+    received: list[Any] = []
+    queue = Queue(QUEUE, Exchange(QUEUE), QUEUE)
+    with _connection(broker_url) as conn:
+        channel = conn.channel()
+        channel.basic_qos(0, prefetch, False)
+        with Consumer(channel, [queue], callbacks=[lambda _body, m: received.append(m)]):
+            yield conn, received
+        channel.close()
+
+
+def test_an_ack_is_removed_with_the_next_delivery_and_the_rest_at_close(
+    broker_url: str, broker: redis.Redis
+) -> None:
+    _publish(broker_url, 3)
+    with _consuming(broker_url, 1) as (conn, received):  # one at a time, as Celery's workers
+        conn.drain_events(timeout=5)
+        assert len(received) == 1 and _unacked(broker) == (1, 1)
+        received[0].ack()
+        # Counted as acked at once (the prefetch limit lets the next one in), still in
+        # Redis's index: its removal waits for the next pipeline.
+        assert _unacked(broker) == (1, 1)
+        conn.drain_events(timeout=5)
+        assert len(received) == 2
+        assert _unacked(broker) == (1, 1)  # the first removed, the second added: one trip
+        assert broker.hkeys(UNACKED) == [received[1].delivery_tag.encode()]
+        received[1].ack()
+    # The close sent the second's removal: nothing left unacked, nothing back in the queue.
+    assert _unacked(broker) == (0, 0)
+    assert broker.llen(QUEUE) == 1  # only the third, never delivered
+
+
+def test_a_channel_closed_with_a_message_unacked_gives_it_back_and_keeps_the_acked(
+    broker_url: str, broker: redis.Redis
+) -> None:
+    _publish(broker_url, 2)
+    with _consuming(broker_url, 2) as (conn, received):
+        while len(received) < 2:
+            conn.drain_events(timeout=5)
+        received[0].ack()
+    # kombu gives back what was delivered and not acked; the acked one is gone for good.
+    assert _unacked(broker) == (0, 0)
+    assert broker.llen(QUEUE) == 1
+    assert received[1].delivery_tag in broker.lindex(QUEUE, 0).decode()
+
+
+def test_a_worker_leaves_no_ack_unsent_once_idle_and_nothing_requeued_at_its_stop(
+    settings: Settings, repo: InspectRepository, broker: redis.Redis, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    servers = [{"name": s.name, "url": s.url} for s in settings.servers]
+    enqueue_file(settings, write_jsonl(tmp_path / "rows.jsonl", sample_rows(18)), max_new_tokens=24)
+    with worker_process(worker_env(settings, servers), log, "--concurrency", "8"):
+        wait_for(lambda: _done(repo) == 18, 120, "18 jobs done", log)
+        # Idle now: a turn of its event loop sent the removals of the last acks.
+        wait_for(lambda: _unacked(broker) == (0, 0), 30, "no message left unacked", log)
+    assert _unacked(broker) == (0, 0)
+    assert broker.llen(settings.queue) == 0  # nothing given back to the queue at its stop
+
+
+def _done(repo: InspectRepository) -> int:
+    return sum(c.states.get("done", 0) for c in repo.counts())
