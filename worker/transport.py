@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,6 +14,10 @@ from typing import Any
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+
+# How long an ack's removal waits for a delivery's pipeline before it is sent by itself: a
+# busy worker takes a message every few milliseconds, an idle one none.
+ACK_WAIT_S = 0.05
 
 
 class QoS(kombu_redis.QoS):
@@ -23,8 +28,9 @@ class QoS(kombu_redis.QoS):
     a large share of a busy worker's CPU (BENCHMARKS.md, "Acks with the next delivery").
     Here an ack is counted at once (kombu's own bookkeeping, which the prefetch limit reads)
     and its removal waits to go in the next pipeline this channel sends: the next delivery's,
-    else the one the event loop sends at its next turn (`Transport.flush_acks`), else the one
-    sent as the channel closes. A removal lost with the connection leaves the message in the
+    else one the event loop sends once the oldest removal has waited ACK_WAIT_S
+    (`Transport.flush_acks`, at each turn of the loop), else the one sent as the channel
+    closes. A removal lost with the connection leaves the message in the
     index, as an ack that fails does in kombu: it comes back after the visibility timeout,
     and the claim in Postgres turns the duplicate away.
     """
@@ -32,10 +38,13 @@ class QoS(kombu_redis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self._acked: list[str] = []
+        self._acked_since = 0.0  # when the oldest of them was acked (time.monotonic)
         self._acked_lock = threading.Lock()
 
     def ack(self, delivery_tag: str) -> None:
         with self._acked_lock:
+            if not self._acked:
+                self._acked_since = time.monotonic()
             self._acked.append(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # bookkeeping only
 
@@ -47,13 +56,13 @@ class QoS(kombu_redis.QoS):
             if pipe is None:
                 with self._acked_lock:
                     acked, self._acked = self._acked, []
-                for tag in acked:
-                    self._remove_from_indices(tag, found)  # type: ignore[no-untyped-call]
+                if acked:  # kombu's _remove_from_indices, one command for all of them
+                    found.zrem(self.unacked_index_key, *acked).hdel(self.unacked_key, *acked)
             yield found
 
-    def flush_acks(self) -> None:
-        """Send the removals of the acks not sent yet, if any."""
-        if self._acked:
+    def flush_acks(self, waited_s: float = 0.0) -> None:
+        """Send the removals of the acks not sent yet, if the oldest has waited ``waited_s``."""
+        if self._acked and time.monotonic() - self._acked_since >= waited_s:
             with self.pipe_or_acquire() as pipe:
                 pipe.execute()
 
@@ -109,14 +118,15 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
-        """kombu's registration, and the acks not sent yet sent at each turn of the loop (an
-        ack is handed to the loop, and deliveries come later in the same turn: most ride on
-        one of those)."""
+        """kombu's registration, and at each turn of the loop the acks that have waited
+        ACK_WAIT_S for a delivery to ride on sent by themselves (the loop turns every 0.1 s
+        while task events are on, worker.events.EventBatches' timer; every second at most
+        otherwise)."""
         super().register_with_event_loop(connection, loop)  # type: ignore[no-untyped-call]
         loop.on_tick.add(self.flush_acks)
 
     def flush_acks(self) -> None:
-        """Send each channel's acks not sent yet."""
+        """Send each channel's acks that have waited ACK_WAIT_S."""
         for channel in self.channels:
             if channel._qos is not None and not channel.closed:
-                channel._qos.flush_acks()
+                channel._qos.flush_acks(ACK_WAIT_S)
