@@ -124,9 +124,14 @@ class Transport(kombu_redis.Transport):
         otherwise)."""
         super().register_with_event_loop(connection, loop)  # type: ignore[no-untyped-call]
         loop.on_tick.add(self.flush_acks)
+        loop.on_close.add(self._unregister_flush)  # the loop's reset after a lost connection
+
+    def _unregister_flush(self, loop: Any) -> None:
+        loop.on_tick.discard(self.flush_acks)
+        loop.on_close.discard(self._unregister_flush)
 
     def flush_acks(self) -> None:
         """Send each channel's acks that have waited ACK_WAIT_S."""
-        for channel in self.channels:
+        for channel in list(self.channels):
             if channel._qos is not None and not channel.closed:
                 channel._qos.flush_acks(ACK_WAIT_S)

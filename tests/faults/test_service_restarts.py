@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import redis
 
 from core.settings import Settings
 from core.urls import libpq_url
@@ -58,6 +59,15 @@ def test_redis_restarted_empty_mid_run_loses_nothing(
     private_redis.start()  # a new process without persistence: nothing survived
     wait_settled(repo, fleet, timeout_s=150, supervise=True)
     assert_exactly_once(repo, total, fleet)
+    # Idle on their new connections: every ack's removal from kombu's unacked index reached
+    # the new Redis (worker.transport sends those no delivery carried at a turn of the loop).
+    broker = redis.Redis.from_url(private_redis.url)
+
+    def none_unacked() -> bool:
+        return broker.hlen("unacked") + broker.zcard("unacked_index") == 0
+
+    wait_for(none_unacked, 30, "no message left unacked", fleet.tails)
+    broker.close()
     report(
         "redis restart",
         jobs=total,
