@@ -4,7 +4,8 @@ it sends besides Celery's own, so that Flower ends true.
 Celery buffers a worker's task events (received, started, succeeded, ...) and asks its event
 loop to flush the buffer at its next turn, so a busy worker publishes them nearly one by
 one: a kombu publish to Redis each (a message built, a pipeline for the fanout), a large
-share of the worker's CPU when jobs are short (BENCHMARKS.md, "Task events in batches").
+share of the worker's CPU when jobs are short (BENCHMARKS.md, "Task events in batches, acks
+with the next delivery").
 `EventBatches` flushes them on a timer instead, every `FLUSH_S`: one publish carries every
 event of that span, which Flower's receiver takes as a list, as it takes Celery's own
 batches. Flower sees a task's change up to `FLUSH_S` later.

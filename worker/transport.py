@@ -25,12 +25,12 @@ class QoS(kombu_redis.QoS):
 
     kombu keeps a delivered message in an "unacked" hash and index until its ack, and sends
     each ack's removal in a transaction of its own: a round trip and a pipeline per message,
-    a large share of a busy worker's CPU (BENCHMARKS.md, "Acks with the next delivery").
-    Here an ack is counted at once (kombu's own bookkeeping, which the prefetch limit reads)
-    and its removal waits to go in the next pipeline this channel sends: the next delivery's,
-    else one the event loop sends once the oldest removal has waited ACK_WAIT_S
-    (`Transport.flush_acks`, at each turn of the loop), else the one sent as the channel
-    closes. A removal lost with the connection leaves the message in the
+    a large share of a busy worker's CPU (BENCHMARKS.md, "Task events in batches, acks with
+    the next delivery"). Here an ack is counted at once (kombu's own bookkeeping, which the
+    prefetch limit reads) and its removal waits to go in the next pipeline this channel
+    sends: the next delivery's, else one the event loop sends once the oldest removal has
+    waited ACK_WAIT_S (`Transport.flush_acks`, at each turn of the loop), else the one sent
+    as the channel closes. A removal lost with the connection leaves the message in the
     index, as an ack that fails does in kombu: it comes back after the visibility timeout,
     and the claim in Postgres turns the duplicate away.
     """
@@ -69,7 +69,7 @@ class QoS(kombu_redis.QoS):
 
 class Channel(kombu_redis.Channel):
     """A channel whose operations fail like a lost connection once its connection is gone,
-    and that reuses its Redis client.
+    that reuses its Redis client, and that sends its acks not sent yet (QoS) as it closes.
 
     After a broker failure Celery 5.7 ``collect()``s the connection, which drops the
     transport's client, while the channel still has work queued: restoring unacked messages
