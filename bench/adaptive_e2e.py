@@ -67,7 +67,7 @@ import httpx
 import redis
 from sqlalchemy import text
 
-from bench.common import scratch_database, scratch_redis, write_short_prompts
+from bench.common import scratch_database, scratch_redis, wait_run_done, write_short_prompts
 from bench.worker_stalls import _SPAN, SERVER, Reading, Sampler, sim_process
 from bench.worker_throughput import eaglegen_worker, enqueue
 from core.settings import Settings
@@ -227,13 +227,7 @@ def one_run(
             Sampler(url, settings.broker_url, [worker.pid], SAMPLE_S) as sampler,
         ):
             enqueue(settings, prompts, run, plan.max_new_tokens, ORDER_SEED)
-            deadline = time.monotonic() + args.timeout_s
-            finished = False
-            while time.monotonic() < deadline:
-                if repo.open_jobs(run) == 0:
-                    finished = True
-                    break
-                time.sleep(0.5)
+            finished = wait_run_done(repo, run, args.timeout_s, every_s=0.5)
         stats = httpx.get(f"{url}/sim/stats", timeout=10).json()["scheduler"]
     flushed = client.get(SENTINEL) is None
     client.close()

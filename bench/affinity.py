@@ -32,7 +32,6 @@ import json
 import random
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import text
 
-from bench.common import WORDS, scratch_database, scratch_redis
+from bench.common import WORDS, scratch_database, scratch_redis, wait_run_done
 from bench.worker_stalls import _SPAN, sim_process
 from bench.worker_throughput import eaglegen_worker, enqueue
 from core.settings import Settings
@@ -127,11 +126,8 @@ def one_run(
     run = f"r{index}-{'on' if affinity else 'off'}"
     with worker_process(settings, urls, affinity, logs / f"worker-{run}.log"):
         enqueue(settings, rows, run, args.max_new_tokens)
-        deadline = time.monotonic() + args.timeout_s
-        while time.monotonic() < deadline:
-            if not repo.open_jobs(run) and not repo.conversations_under_way(run):
-                break
-            time.sleep(0.5)
+        under_way = repo.conversations_under_way
+        wait_run_done(repo, run, args.timeout_s, every_s=0.5, also=lambda: not under_way(run))
     with repo.engine.connect() as conn:
         prompt, cached, same, later = conn.execute(_TURNS, {"run": run}).one()
         done, first, last = conn.execute(_SPAN, {"run": run}).one()

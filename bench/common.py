@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -11,6 +13,7 @@ import redis
 
 from core.urls import libpq_url
 from models.db import upgrade
+from models.repository import Repository
 
 WORDS = (
     "a",
@@ -83,3 +86,22 @@ def write_short_prompts(
             row = {"messages": [{"role": "user", "content": f"Task {i}: {words_text}."}]}
             handle.write(json.dumps(row) + "\n")
     return path
+
+
+def wait_run_done(
+    repo: Repository,
+    run: str,
+    timeout_s: float,
+    every_s: float = 0.2,
+    also: Callable[[], bool] | None = None,
+) -> bool:
+    """Poll until ``run`` has no job queued or running (and ``also()`` holds, when given);
+    False if ``timeout_s`` ran out first. It reads the datasets' counters
+    (`Repository.open_jobs`): a scan of the run's jobs every poll would load the machine the
+    workers being measured share."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if repo.open_jobs(run) == 0 and (also is None or also()):
+            return True
+        time.sleep(every_s)
+    return False

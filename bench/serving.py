@@ -99,7 +99,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -110,7 +109,7 @@ import httpx
 import redis
 from sqlalchemy import select, text
 
-from bench.common import scratch_database, scratch_redis, write_short_prompts
+from bench.common import scratch_database, scratch_redis, wait_run_done, write_short_prompts
 from bench.worker_throughput import (
     InFlightSampler,
     cpu_seconds,
@@ -473,16 +472,9 @@ def pipeline_round(bench: Bench, name: str) -> tuple[int, int, float]:
     """Enqueue the prompts as a new run and wait until all of it is done;
     (generations, tokens, first request received to last generation recorded)."""
     enqueue_sampled(bench.settings, bench.chat_rows, name, bench.sampling)
-    deadline = time.monotonic() + ROUND_TIMEOUT_S
-    while True:
-        # The datasets' counters, not `counts`: a scan every 0.2 s would load the machine
-        # the pipeline shares during its rounds only.
-        if bench.repo.open_jobs(name) == 0:
-            break
-        if time.monotonic() > deadline:
-            [counts] = bench.repo.counts(name)
-            raise RuntimeError(f"{name}: not done after {ROUND_TIMEOUT_S:.0f} s: {counts.states}")
-        time.sleep(0.2)
+    if not wait_run_done(bench.repo, name, ROUND_TIMEOUT_S):
+        [counts] = bench.repo.counts(name)
+        raise RuntimeError(f"{name}: not done after {ROUND_TIMEOUT_S:.0f} s: {counts.states}")
     with bench.repo.engine.connect() as conn:
         n, tokens, shortest, longest, first, last = conn.execute(_WINDOW, {"run": name}).one()
         ids = conn.scalars(

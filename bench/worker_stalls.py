@@ -60,7 +60,7 @@ import httpx
 import redis
 from sqlalchemy import text
 
-from bench.common import scratch_database, scratch_redis, write_short_prompts
+from bench.common import scratch_database, scratch_redis, wait_run_done, write_short_prompts
 from bench.worker_throughput import (
     _announced_url,
     _stop,
@@ -314,13 +314,7 @@ def one_run(
             cpu_before = sum(cpu_seconds(pid) for pid in pids)
             enqueue(settings, path, run, args.max_new_tokens)
             opened = time.time()
-            deadline = time.monotonic() + args.timeout_s
-            finished = False
-            while time.monotonic() < deadline:
-                if repo.open_jobs(run) == 0:
-                    finished = True
-                    break
-                time.sleep(0.2)
+            finished = wait_run_done(repo, run, args.timeout_s)
             closed = time.time()
             cpu = sum(cpu_seconds(pid) for pid in pids) - cpu_before
             time.sleep(0.3)  # one more reading past the end

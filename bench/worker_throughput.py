@@ -46,7 +46,7 @@ from typing import Any, Self
 import httpx
 from sqlalchemy import select, text
 
-from bench.common import scratch_database, scratch_redis, write_short_prompts
+from bench.common import scratch_database, scratch_redis, wait_run_done, write_short_prompts
 from core import heartbeat
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
@@ -311,10 +311,7 @@ def pipeline_round(
 ) -> tuple[int, int, float]:
     """Enqueue ``path`` as a new run and wait until all of it is done; (n, tokens, seconds)."""
     enqueue(settings, path, run, args.max_new_tokens)
-    while True:
-        if repo.open_jobs(run) == 0:  # the counters: a scan would load the machine
-            break
-        time.sleep(0.2)
+    wait_run_done(repo, run, timeout_s=float("inf"))
     with repo.engine.connect() as conn:
         n, tokens, first, last = conn.execute(_GENERATED, {"run": run}).one()
     assert n == args.jobs, f"{run}: {n} of {args.jobs} generations"

@@ -32,6 +32,7 @@ from tests.faults.harness import (
     wait_settled,
     worker_env,
 )
+from worker.transport import Channel
 
 pytestmark = pytest.mark.faults
 
@@ -64,7 +65,7 @@ def test_redis_restarted_empty_mid_run_loses_nothing(
     broker = redis.Redis.from_url(private_redis.url)
 
     def none_unacked() -> bool:
-        return broker.hlen("unacked") + broker.zcard("unacked_index") == 0
+        return broker.hlen(Channel.unacked_key) + broker.zcard(Channel.unacked_index_key) == 0
 
     wait_for(none_unacked, 30, "no message left unacked", fleet.tails)
     broker.close()

@@ -17,11 +17,11 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from core.settings import Settings
 from tests.helpers import InspectRepository, enqueue_file, sample_rows, write_jsonl
 from tests.integration.test_worker_processes import wait_for, worker_env, worker_process
-from worker.transport import Transport
+from worker.transport import Channel, Transport
 
 QUEUE = "acks-test"
 # kombu's ack emulation keeps each delivered message here until its ack.
-UNACKED, UNACKED_INDEX = "unacked", "unacked_index"
+UNACKED, UNACKED_INDEX = Channel.unacked_key, Channel.unacked_index_key
 
 
 @pytest.fixture
