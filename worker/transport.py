@@ -1,6 +1,6 @@
 """kombu's Redis transport, hardened against a crash after a lost broker connection, with
-one Redis client per connection pool instead of one per operation, and acks sent with the
-next delivery instead of in a round trip each."""
+one Redis client per connection pool instead of one per operation, and its ack emulation's
+writes sent in batches instead of in a round trip per delivery and per ack."""
 
 from __future__ import annotations
 
@@ -14,62 +14,105 @@ from typing import Any
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.utils.json import dumps
 
-# How long an ack's removal waits for a delivery's pipeline before it is sent by itself: a
-# busy worker takes a message every few milliseconds, an idle one none.
-ACK_WAIT_S = 0.05
+# How long a delivery's or an ack's write to the unacked index waits to go with others: a
+# busy worker takes and acks a message every few milliseconds, an idle one none.
+WRITE_WAIT_S = 0.05
 
 
 class QoS(kombu_redis.QoS):
-    """kombu's ack emulation, with each ack's removal from the unacked index sent later.
+    """kombu's ack emulation, its writes to the unacked index sent in batches.
 
-    kombu keeps a delivered message in an "unacked" hash and index until its ack, and sends
-    each ack's removal in a transaction of its own: a round trip and a pipeline per message,
-    a large share of a busy worker's CPU (BENCHMARKS.md, "Task events in batches, acks with
-    the next delivery"). Here an ack is counted at once (kombu's own bookkeeping, which the
-    prefetch limit reads) and its removal waits to go in the next pipeline this channel
-    sends: the next delivery's, else one the event loop sends once the oldest removal has
-    waited ACK_WAIT_S (`Transport.flush_acks`, at each turn of the loop), else the one sent
-    as the channel closes. A removal lost with the connection leaves the message in the
-    index, as an ack that fails does in kombu: it comes back after the visibility timeout,
-    and the claim in Postgres turns the duplicate away.
+    kombu keeps each delivered message in an "unacked" hash and index until its ack, so that
+    a stopping worker gives back what it holds, and writes each delivery there and removes
+    each ack in a round trip of its own: a large share of a busy worker's one consumer thread
+    (BENCHMARKS.md, "Task events in batches, acks with the next delivery", and "Deliveries
+    written in batches"). Here both are counted at once (kombu's bookkeeping, which the
+    prefetch limit reads) and wait to go out together in one pipeline: once the oldest has
+    waited WRITE_WAIT_S (`Transport.flush_unacked`, at each turn of the event loop), and
+    before anything reads the hash back (a requeue, the channel's close). A message acked
+    before its delivery was written is neither written nor removed.
+
+    What a lost connection or a killed worker loses: a removal not sent leaves the message
+    in the index, as an ack that fails does in kombu (it comes back after the visibility
+    timeout, and the claim in Postgres turns the duplicate away); a delivery not written
+    leaves the message in neither queue nor index, as kombu does between its read and its
+    write: the reconciler publishes its job again (worker/reconcile.py), as it does for the
+    messages a dead worker held.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
-        self._acked: list[str] = []
-        self._acked_since = 0.0  # when the oldest of them was acked (time.monotonic)
-        self._acked_lock = threading.Lock()
+        self._unwritten: dict[str, tuple[float, Any]] = {}  # tag: (delivered at, message)
+        self._acked: list[str] = []  # tags written, to be removed
+        self._waiting_since = 0.0  # when the oldest of them came (time.monotonic)
+        self._lock = threading.Lock()
+        # One batch in flight at a time: a removal must not reach Redis before its write.
+        self._sending = threading.Lock()
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        with self._lock:
+            self._note_waiting()
+            self._unwritten[delivery_tag] = (time.time(), message)
+        virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
 
     def ack(self, delivery_tag: str) -> None:
-        with self._acked_lock:
-            if not self._acked:
-                self._acked_since = time.monotonic()
-            self._acked.append(delivery_tag)
+        with self._lock:
+            if self._unwritten.pop(delivery_tag, None) is None:
+                self._note_waiting()
+                self._acked.append(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # bookkeeping only
 
-    @contextmanager
-    def pipe_or_acquire(self, pipe: Any = None, client: Any = None) -> Iterator[Any]:
-        """kombu's pipeline for a delivery, a reject or a removal, carrying the removals of
-        the acks not sent yet (a pipeline handed in is someone else's: left alone)."""
-        with super().pipe_or_acquire(pipe, client) as found:
-            if pipe is None:
-                with self._acked_lock:
-                    acked, self._acked = self._acked, []
-                if acked:  # kombu's _remove_from_indices, one command for all of them
-                    found.zrem(self.unacked_index_key, *acked).hdel(self.unacked_key, *acked)
-            yield found
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if not requeue:  # kombu's reject without requeue is an ack
+            self.ack(delivery_tag)
+            return
+        self.flush_unacked()  # the requeue reads the message back from the hash
+        super().reject(delivery_tag, requeue=True)  # type: ignore[no-untyped-call]
 
-    def flush_acks(self, waited_s: float = 0.0) -> None:
-        """Send the removals of the acks not sent yet, if the oldest has waited ``waited_s``."""
-        if self._acked and time.monotonic() - self._acked_since >= waited_s:
-            with self.pipe_or_acquire() as pipe:
-                pipe.execute()
+    def restore_unacked(self, client: Any = None) -> None:
+        """kombu's give-back at the channel's close reads each message from the hash."""
+        self.flush_unacked()
+        super().restore_unacked(client)  # type: ignore[no-untyped-call]
+
+    def _note_waiting(self) -> None:
+        if not self._unwritten and not self._acked:
+            self._waiting_since = time.monotonic()
+
+    def flush_unacked(self, waited_s: float = 0.0) -> None:
+        """Send the writes waiting, if the oldest has waited ``waited_s``: the deliveries
+        (kombu's ZADD and HSET) and the removals (its ZREM and HDEL), one command each."""
+        if not (self._unwritten or self._acked):
+            return
+        if time.monotonic() - self._waiting_since < waited_s:
+            return
+        with self._sending, self.channel.conn_or_acquire() as client:
+            with self._lock:
+                unwritten, self._unwritten = self._unwritten, {}
+                acked, self._acked = self._acked, []
+            pipe = client.pipeline()
+            if unwritten:
+                pipe.zadd(self.unacked_index_key, {t: at for t, (at, _) in unwritten.items()})
+                pipe.hset(
+                    self.unacked_key, mapping={t: _entry(m) for t, (_, m) in unwritten.items()}
+                )
+            if acked:
+                pipe.zrem(self.unacked_index_key, *acked).hdel(self.unacked_key, *acked)
+            pipe.execute()
+
+
+def _entry(message: Any) -> str:
+    """A delivered message as kombu's ack emulation stores it in the unacked hash."""
+    delivery = message.delivery_info
+    entry = [message._raw, delivery["exchange"], delivery["routing_key"]]
+    return str(dumps(entry))  # type: ignore[no-untyped-call]
 
 
 class Channel(kombu_redis.Channel):
     """A channel whose operations fail like a lost connection once its connection is gone,
-    that reuses its Redis client, and that sends its acks not sent yet (QoS) as it closes.
+    that reuses its Redis client, and that sends its unacked index's writes waiting (QoS)
+    as it closes.
 
     After a broker failure Celery 5.7 ``collect()``s the connection, which drops the
     transport's client, while the channel still has work queued: restoring unacked messages
@@ -102,13 +145,13 @@ class Channel(kombu_redis.Channel):
         yield shared
 
     def close(self) -> None:
-        """Send the acks not sent yet, then close as kombu does (which gives back to the
+        """Send the writes waiting, then close as kombu does (which gives back to the
         queue the messages delivered and not acked)."""
         qos = self._qos
         if qos is not None and not self.closed:
-            # Redis gone: their messages come back after the visibility timeout (QoS).
+            # Redis gone: what they would have written is lost with it (QoS).
             with contextlib.suppress(redis.RedisError):
-                qos.flush_acks()
+                qos.flush_unacked()
         super().close()  # type: ignore[no-untyped-call]
 
 
@@ -118,20 +161,19 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
-        """kombu's registration, and at each turn of the loop the acks that have waited
-        ACK_WAIT_S for a delivery to ride on sent by themselves (the loop turns every 0.1 s
-        while task events are on, worker.events.EventBatches' timer; every second at most
-        otherwise)."""
+        """kombu's registration, and at each turn of the loop the unacked index's writes
+        that have waited WRITE_WAIT_S sent (the loop turns every 0.1 s while task events are
+        on, worker.events.EventBatches' timer; every second at most otherwise)."""
         super().register_with_event_loop(connection, loop)  # type: ignore[no-untyped-call]
-        loop.on_tick.add(self.flush_acks)
+        loop.on_tick.add(self.flush_unacked)
         loop.on_close.add(self._unregister_flush)  # the loop's reset after a lost connection
 
     def _unregister_flush(self, loop: Any) -> None:
-        loop.on_tick.discard(self.flush_acks)
+        loop.on_tick.discard(self.flush_unacked)
         loop.on_close.discard(self._unregister_flush)
 
-    def flush_acks(self) -> None:
-        """Send each channel's acks that have waited ACK_WAIT_S."""
+    def flush_unacked(self) -> None:
+        """Send each channel's unacked index's writes that have waited WRITE_WAIT_S."""
         for channel in list(self.channels):
             if channel._qos is not None and not channel.closed:
-                channel._qos.flush_acks(ACK_WAIT_S)
+                channel._qos.flush_unacked(WRITE_WAIT_S)

@@ -1,7 +1,7 @@
-"""The worker's Redis transport (worker.transport) sends each ack's removal from kombu's
-unacked index with the next pipeline of its channel, not in a round trip of its own: checked
-here with kombu's own consumer on a real Redis, and with a real worker, whose acks all reach
-Redis by the time it is idle, and which leaves nothing to come back to the queue at its stop."""
+"""The worker's Redis transport (worker.transport) sends kombu's ack emulation's writes to the
+unacked index in batches, not in a round trip per delivery and per ack: checked here with
+kombu's own consumer on a real Redis, and with a real worker, whose writes all reach Redis by
+the time it is idle, and which leaves nothing to come back to the queue at its stop."""
 
 from __future__ import annotations
 
@@ -60,25 +60,60 @@ def _consuming(broker_url: str, prefetch: int) -> Iterator[tuple[Connection, lis
         channel.close()
 
 
-def test_an_ack_is_removed_with_the_next_delivery_and_the_rest_at_close(
+def test_deliveries_and_acks_reach_the_index_together_and_an_early_ack_never_does(
     broker_url: str, broker: redis.Redis
 ) -> None:
     _publish(broker_url, 3)
-    with _consuming(broker_url, 1) as (conn, received):  # one at a time, as Celery's workers
-        conn.drain_events(timeout=5)
-        assert len(received) == 1 and _unacked(broker) == (1, 1)
+    with _consuming(broker_url, 2) as (conn, received):
+        while len(received) < 2:
+            conn.drain_events(timeout=5)
+        # Counted as delivered (the prefetch limit reads that), not written yet.
+        assert _unacked(broker) == (0, 0)
         received[0].ack()
-        # Counted as acked at once (the prefetch limit lets the next one in), still in
-        # Redis's index: its removal waits for the next pipeline.
-        assert _unacked(broker) == (1, 1)
-        conn.drain_events(timeout=5)
-        assert len(received) == 2
-        assert _unacked(broker) == (1, 1)  # the first removed, the second added: one trip
+        received[0].channel.qos.flush_unacked()  # now, as the event loop would in a while
+        # One batch: the second's delivery; the first, acked before its write, not at all.
         assert broker.hkeys(UNACKED) == [received[1].delivery_tag.encode()]
+        assert _unacked(broker) == (1, 1)
         received[1].ack()
-    # The close sent the second's removal: nothing left unacked, nothing back in the queue.
+        assert _unacked(broker) == (1, 1)  # its removal waits for the next batch
+    # The close sent it: nothing left unacked, nothing back in the queue.
     assert _unacked(broker) == (0, 0)
     assert broker.llen(QUEUE) == 1  # only the third, never delivered
+
+
+def test_the_event_loops_flush_writes_a_held_message_once_it_has_waited(
+    broker_url: str, broker: redis.Redis
+) -> None:
+    _publish(broker_url, 1)
+    with _consuming(broker_url, 1) as (conn, _):
+        conn.drain_events(timeout=5)
+
+        def written() -> bool:
+            conn.transport.flush_unacked()  # what the worker's event loop calls at each turn
+            return _unacked(broker) == (1, 1)
+
+        wait_for(written, 10, "the held message written to the unacked index")
+        assert broker.llen(QUEUE) == 0
+    assert broker.llen(QUEUE) == 1  # the close gave it back
+
+
+def test_a_requeued_message_goes_back_to_the_queue_before_any_flush(
+    broker_url: str, broker: redis.Redis
+) -> None:
+    _publish(broker_url, 2)
+    with _consuming(broker_url, 1) as (conn, received):
+        conn.drain_events(timeout=5)
+        received[0].requeue()  # its delivery was never written: the requeue writes it first
+        assert _unacked(broker) == (0, 0)
+        assert broker.llen(QUEUE) == 2
+        tag = received[0].delivery_tag
+        assert any(tag in m.decode() for m in broker.lrange(QUEUE, 0, -1))
+        while len(received) < 3:
+            conn.drain_events(timeout=5)
+            received[-1].ack()
+    assert [m.delivery_tag for m in received].count(tag) == 2
+    assert _unacked(broker) == (0, 0)
+    assert broker.llen(QUEUE) == 0
 
 
 def test_a_channel_closed_with_a_message_unacked_gives_it_back_and_keeps_the_acked(
@@ -103,7 +138,7 @@ def test_a_worker_leaves_no_ack_unsent_once_idle_and_nothing_requeued_at_its_sto
     enqueue_file(settings, write_jsonl(tmp_path / "rows.jsonl", sample_rows(18)), max_new_tokens=24)
     with worker_process(worker_env(settings, servers), log, "--concurrency", "8"):
         wait_for(lambda: _done(repo) == 18, 120, "18 jobs done", log)
-        # Idle now: a turn of its event loop sent the removals of the last acks.
+        # Idle now: a turn of its event loop sent the last writes.
         wait_for(lambda: _unacked(broker) == (0, 0), 30, "no message left unacked", log)
     assert _unacked(broker) == (0, 0)
     assert broker.llen(settings.queue) == 0  # nothing given back to the queue at its stop
