@@ -113,20 +113,32 @@ class Intake:
     def room(self) -> bool:
         """Whether the process may take another message: it holds fewer requests than its
         intake (Celery's count: requests received, an ETA's once due, and not finished)."""
+        return self.room_left() > 0
+
+    def room_left(self) -> int:
+        """How many more messages the process may take now."""
         # Imported here: this module's Room is read by `status`, which must not load Celery.
         from celery.worker import state as worker_state
 
-        return len(worker_state.reserved_requests) < self.value
+        return max(self.value - len(worker_state.reserved_requests), 0)
 
     def gate(self, qos: Any) -> None:
         """Make a task consumer's channel take messages only while there is room, as Celery's
         own ``worker_disable_prefetch`` does with the pool's size: kombu's Redis transport
         sends its next BRPOP only while ``qos.can_consume()``, and asks again at each turn
         of the event loop (each event it handles, and its timers: Celery's worker
-        heartbeat, sent for Flower, comes every 2 s)."""
+        heartbeat, sent for Flower, comes every 2 s). The estimate of how many it may take
+        at once (``qos.can_consume_max_estimate()``, read by worker.transport to take
+        several in one round trip) is held to the room as well."""
         allowed: Callable[[], bool] = qos.can_consume
+        estimate: Callable[[], int | None] = qos.can_consume_max_estimate
 
         def can_consume() -> bool:
             return self.room() and allowed()
 
+        def can_consume_max_estimate() -> int:
+            room, most = self.room_left(), estimate()
+            return room if most is None else min(room, most)
+
         qos.can_consume = can_consume
+        qos.can_consume_max_estimate = can_consume_max_estimate

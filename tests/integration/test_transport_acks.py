@@ -146,3 +146,17 @@ def test_a_worker_leaves_no_ack_unsent_once_idle_and_nothing_requeued_at_its_sto
 
 def _done(repo: InspectRepository) -> int:
     return sum(c.states.get("done", 0) for c in repo.counts())
+
+
+def test_one_turn_takes_as_many_messages_as_the_prefetch_limit_has_room_for_in_order(
+    broker_url: str, broker: redis.Redis
+) -> None:
+    _publish(broker_url, 5)
+    with _consuming(broker_url, 3) as (conn, received):
+        conn.drain_events(timeout=5)  # one BRPOP answered: it and two more, one round trip
+        assert [m.payload["n"] for m in received] == [0, 1, 2]
+        assert broker.llen(QUEUE) == 2
+        for message in received:
+            message.ack()
+        conn.drain_events(timeout=5)
+        assert [m.payload["n"] for m in received] == [0, 1, 2, 3, 4]
