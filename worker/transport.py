@@ -5,6 +5,7 @@ writes sent in batches instead of in a round trip per delivery and per ack."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,10 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
+
+from worker.outages import one_line
+
+logger = logging.getLogger(__name__)
 
 # How long a delivery's or an ack's write to the unacked index waits to go with others: a
 # busy worker takes and acks a message every few milliseconds, an idle one none.
@@ -143,6 +148,7 @@ class Channel(kombu_redis.Channel):
 
     QoS = QoS
     _shared: redis.Redis | None = None
+    _pops_several = True  # until the broker refuses _POP_MORE
 
     def _connparams(self, asynchronous: bool = False) -> Any:
         if self.connection.client is None:
@@ -173,15 +179,27 @@ class Channel(kombu_redis.Channel):
         prefill passes (BENCHMARKS.md, "Several messages a turn")."""
         delivered = bool(super()._brpop_read(**options))  # type: ignore[no-untyped-call]
         room = self.qos.can_consume_max_estimate()
-        if room and not self.global_keyprefix:  # prefixed keys: kombu's one at a time
-            queues = [q for q in self.active_queues if q not in self.active_fanout_queues]
-            keys = [self._priority_key(q, pri) for pri in self.priority_steps for q in queues]
+        # Prefixed keys, or a broker that refused the script: kombu's one at a time.
+        if room and self._pops_several and not self.global_keyprefix:
+            self._deliver_more(room)
+        return delivered
+
+    def _deliver_more(self, room: int) -> None:
+        queues = [q for q in self.active_queues if q not in self.active_fanout_queues]
+        keys = [self._priority_key(q, pri) for pri in self.priority_steps for q in queues]
+        try:
             with self.conn_or_acquire() as client:
                 found = client.eval(_POP_MORE, len(keys), *keys, room)
-            for key, item in zip(found[::2], found[1::2], strict=True):
-                queue = _text(key).rsplit(self.sep, 1)[0]  # as kombu's read names it
-                self.connection._deliver(loads(_text(item)), queue)  # type: ignore[no-untyped-call]
-        return delivered
+        except redis.ResponseError as exc:  # scripting denied (an ACL, a proxy): nothing popped
+            self._pops_several = False
+            logger.warning(
+                "the broker refused a Lua script (%s): this worker takes one message per turn",
+                one_line(exc),
+            )
+            return
+        for key, item in zip(found[::2], found[1::2], strict=True):
+            queue = _text(key).rsplit(self.sep, 1)[0]  # as kombu's read names it
+            self.connection._deliver(loads(_text(item)), queue)  # type: ignore[no-untyped-call]
 
     def _priority_key(self, queue: str, pri: int) -> str:
         return str(self._q_for_pri(queue, pri))  # type: ignore[no-untyped-call]

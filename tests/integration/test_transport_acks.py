@@ -5,6 +5,8 @@ the time it is idle, and which leaves nothing to come back to the queue at its s
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -160,3 +162,31 @@ def test_one_turn_takes_as_many_messages_as_the_prefetch_limit_has_room_for_in_o
             message.ack()
         conn.drain_events(timeout=5)
         assert [m.payload["n"] for m in received] == [0, 1, 2, 3, 4]
+
+
+def test_a_broker_that_refuses_scripts_is_read_one_message_a_turn(
+    broker_url: str, broker: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis whose user may not run Lua (an ACL without @scripting, as some managed
+    services and proxies set): the worker logs it once and reads as kombu does."""
+    user = f"eaglegen-noscript-{uuid.uuid4().hex[:8]}"
+    scripts_denied = ["+@all", "-@scripting"]
+    broker.acl_setuser(
+        user, enabled=True, nopass=True, keys=["*"], channels=["*"], commands=scripts_denied
+    )
+    try:
+        url = broker_url.replace("redis://", f"redis://{user}@", 1)
+        _publish(url, 3)
+        with caplog.at_level(logging.WARNING), _consuming(url, 3) as (conn, received):
+            conn.drain_events(timeout=5)
+            assert [m.payload["n"] for m in received] == [0]
+            while len(received) < 3:
+                conn.drain_events(timeout=5)
+            assert [m.payload["n"] for m in received] == [0, 1, 2]
+            for message in received:
+                message.ack()
+        refused = [r for r in caplog.records if "refused a Lua script" in r.getMessage()]
+        assert len(refused) == 1
+        assert _unacked(broker) == (0, 0)
+    finally:
+        broker.acl_deluser(user)
