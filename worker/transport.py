@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from worker.outages import one_line
@@ -107,10 +108,6 @@ class QoS(kombu_redis.QoS):
             pipe.execute()
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _entry(message: Any) -> str:
     """A delivered message as kombu's ack emulation stores it in the unacked hash."""
     delivery = message.delivery_info
@@ -198,8 +195,10 @@ class Channel(kombu_redis.Channel):
             )
             return
         for key, item in zip(found[::2], found[1::2], strict=True):
-            queue = _text(key).rsplit(self.sep, 1)[0]  # as kombu's read names it
-            self.connection._deliver(loads(_text(item)), queue)  # type: ignore[no-untyped-call]
+            # As kombu's own read (_brpop_read) decodes and names them.
+            queue = bytes_to_str(key).rsplit(self.sep, 1)[0]  # type: ignore[no-untyped-call]
+            message = loads(bytes_to_str(item))  # type: ignore[no-untyped-call]
+            self.connection._deliver(message, queue)
 
     def _priority_key(self, queue: str, pri: int) -> str:
         return str(self._q_for_pri(queue, pri))  # type: ignore[no-untyped-call]

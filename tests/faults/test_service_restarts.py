@@ -60,8 +60,9 @@ def test_redis_restarted_empty_mid_run_loses_nothing(
     private_redis.start()  # a new process without persistence: nothing survived
     wait_settled(repo, fleet, timeout_s=150, supervise=True)
     assert_exactly_once(repo, total, fleet)
-    # Idle on their new connections: every ack's removal from kombu's unacked index reached
-    # the new Redis (worker.transport sends those no delivery carried at a turn of the loop).
+    # Idle on their new connections: every write to kombu's unacked index, each delivery's
+    # and each ack's removal, reached the new Redis (worker.transport sends them in batches
+    # at a turn of the loop).
     broker = redis.Redis.from_url(private_redis.url)
 
     def none_unacked() -> bool:
