@@ -10,15 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.schema import Dataset
-from models.states import JobState
-
-_COLUMN = {
-    JobState.QUEUED: "jobs_queued",
-    JobState.RUNNING: "jobs_running",
-    JobState.DONE: "jobs_done",
-    JobState.FAILED: "jobs_failed",
-    JobState.SKIPPED_BUDGET: "jobs_skipped",
-}
+from models.states import COUNTER_COLUMN, JobState
 
 
 def moved(source: JobState | None, target: JobState | None, n: int = 1) -> dict[str, Any]:
@@ -26,20 +18,20 @@ def moved(source: JobState | None, target: JobState | None, n: int = 1) -> dict[
     (None: the jobs are new, or gone)."""
     values: dict[str, Any] = {}
     if source is not None:
-        values[_COLUMN[source]] = getattr(Dataset, _COLUMN[source]) - n
+        values[COUNTER_COLUMN[source]] = getattr(Dataset, COUNTER_COLUMN[source]) - n
     if target is not None:
-        values[_COLUMN[target]] = getattr(Dataset, _COLUMN[target]) + n
+        values[COUNTER_COLUMN[target]] = getattr(Dataset, COUNTER_COLUMN[target]) + n
     return values
 
 
 def state_column(state: JobState) -> str:
     """The datasets column that counts jobs in ``state``."""
-    return _COLUMN[state]
+    return COUNTER_COLUMN[state]
 
 
 def moved_sql(source: JobState, target: JobState) -> str:
     """``moved`` as SQL for a SET clause, for the statements written in SQL (models.attempt)."""
-    a, b = _COLUMN[source], _COLUMN[target]
+    a, b = COUNTER_COLUMN[source], COUNTER_COLUMN[target]
     return f"{a} = {a} - 1, {b} = {b} + 1"
 
 

@@ -20,3 +20,14 @@ class JobState(StrEnum):
     DONE = "done"
     FAILED = "failed"
     SKIPPED_BUDGET = "skipped_budget"
+
+
+# Each state's counter column on the dataset row (models.counters). Here, beside the states,
+# so that `eaglegen status` (models.status) reads the same map without importing SQLAlchemy.
+COUNTER_COLUMN: dict[JobState, str] = {
+    JobState.QUEUED: "jobs_queued",
+    JobState.RUNNING: "jobs_running",
+    JobState.DONE: "jobs_done",
+    JobState.FAILED: "jobs_failed",
+    JobState.SKIPPED_BUDGET: "jobs_skipped",
+}

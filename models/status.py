@@ -22,7 +22,7 @@ from psycopg.rows import namedtuple_row
 from core.samples import variants_of
 from models.ledger import BudgetBasis, ReservePolicy, reservation
 from models.snapshot import DatasetStatus, ServerStatus, StatusSnapshot, Window
-from models.states import JobState
+from models.states import COUNTER_COLUMN, JobState
 
 # The Repository's engine is only a type here: `eaglegen status` reads through psycopg
 # alone and imports no SQLAlchemy (models.pg; BENCHMARKS.md, "CLI start-up").
@@ -33,18 +33,9 @@ if TYPE_CHECKING:
 # every scan.
 WINDOWS_S = (60, 600)
 
-# Each job state's counter column on the dataset row (models.counters).
-_STATE_COLUMNS = {
-    JobState.QUEUED: "jobs_queued",
-    JobState.RUNNING: "jobs_running",
-    JobState.DONE: "jobs_done",
-    JobState.FAILED: "jobs_failed",
-    JobState.SKIPPED_BUDGET: "jobs_skipped",
-}
-
 _DATASETS = f"""
 SELECT d.id, d.name, r.name AS run,
-       {", ".join(f"d.{column} AS {state.value}" for state, column in _STATE_COLUMNS.items())},
+       {", ".join(f"d.{column} AS {state.value}" for state, column in COUNTER_COLUMN.items())},
        d.done_prompt_tokens, d.done_completion_tokens, d.budget_tokens, d.budget_basis,
        d.used_tokens, d.reserved_tokens, d.first_done_at, d.last_done_at, d.reserve,
        d.observed_reserve_tokens, d.turns, d.samples, d.variants,
