@@ -434,7 +434,7 @@ def _run_claimed(ctx: WorkerContext, job: ClaimedJob, held: list[Lease]) -> Resu
     lease = _slot_of_its_model(ctx, job, held)
     if isinstance(lease, Result):
         return lease
-    return _generated(ctx, job, lease.server)
+    return _generated(ctx, job, lease, held)
 
 
 def _slot_of_its_model(ctx: WorkerContext, job: ClaimedJob, held: list[Lease]) -> Lease | Result:
@@ -472,8 +472,12 @@ def _unserved(ctx: WorkerContext, wanted: RunModel) -> str:
     return reason
 
 
-def _generated(ctx: WorkerContext, job: ClaimedJob, server: Server) -> Result:
-    """Call the server, check, record; every failure settled."""
+def _generated(ctx: WorkerContext, job: ClaimedJob, lease: Lease, held: list[Lease]) -> Result:
+    """Call the server, check, record; every failure settled. An answer frees its slot
+    before the record: the server is done with the request, and a thread waiting for a slot
+    sends its own while this one writes to Postgres (a failure keeps the slot until it is
+    settled, so that no request goes to a server about to be marked down)."""
+    server = lease.server
     with ctx.metrics.request(server.name) as request:
         try:
             record = _generate(server, job)
@@ -487,6 +491,8 @@ def _generated(ctx: WorkerContext, job: ClaimedJob, server: Server) -> Result:
             failure = None
     if failure is not None:
         return _settle_failure(ctx, server, job, failure)
+    held.remove(lease)
+    _give_back(ctx, lease)
     if changed := server.still_serves(job.run_model):  # another model answered: not the run's
         wait = ctx.settings.health_interval_s
         ctx.repo.release(job.id, ctx.name, changed, refund=True, retry_in_s=wait)

@@ -16,6 +16,7 @@ from core import heartbeat
 from core.limits import read_limit
 from core.settings import Settings
 from eaglegen.sim import SimConfig, SimServer
+from models import pg
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from tests.integration.test_worker_processes import (
@@ -106,3 +107,31 @@ def test_threads_beyond_the_limit_hold_no_message_the_server_has_no_room_for(
     # two more for a moment: a task's message is acked by the event loop after it ends.)
     held = max(peaks.held_counts)
     assert limit <= held < 2 * limit, (held, limit + spare(limit))
+
+
+def test_an_answer_frees_its_slot_before_its_record_is_written(
+    settings: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    # One slot, and the generations table locked: each answer's record waits on the lock.
+    # Had the slot stayed held until the record was written, one record at most would wait;
+    # freed with the answer, the next job is sent meanwhile and its record waits too.
+    assert settings.database_url is not None
+    with SimServer(SLOW) as sim, pg.connect(settings.database_url) as lock:
+        env = worker_env(settings, [{"name": "sim", "url": sim.url, "max_inflight": 1}])
+        log = tmp_path / "worker.log"
+        with worker_process(env, log, "--concurrency", "4") as process:
+            wait_for(lambda: process.pid in live_pids(settings), what="heartbeat", log=log)
+            with lock.transaction():
+                lock.execute("LOCK TABLE generations IN SHARE MODE")
+                enqueue_file(settings, write_short_prompts(tmp_path / "rows.jsonl", 3))
+
+                def records_waiting() -> int:
+                    row = lock.execute(
+                        "SELECT count(*) FROM pg_locks"
+                        " WHERE relation = 'generations'::regclass AND NOT granted"
+                    ).fetchone()
+                    return row[0] if row is not None and row[0] >= 2 else 0
+
+                wait_for(records_waiting, timeout_s=120, what="two records waiting", log=log)
+            states = wait_settled(repo, timeout_s=120)
+    assert states["done"] == 3, states
