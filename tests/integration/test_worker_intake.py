@@ -127,8 +127,10 @@ def test_an_answer_frees_its_slot_before_its_record_is_written(
 
                 def records_waiting() -> int:
                     row = lock.execute(
-                        "SELECT count(*) FROM pg_locks"
-                        " WHERE relation = 'generations'::regclass AND NOT granted"
+                        "SELECT count(*) FROM pg_locks WHERE NOT granted"
+                        " AND relation = 'generations'::regclass"
+                        " AND database = (SELECT oid FROM pg_database"
+                        " WHERE datname = current_database())"
                     ).fetchone()
                     return row[0] if row is not None and row[0] >= 2 else 0
 
