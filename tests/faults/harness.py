@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -307,6 +308,26 @@ def running_on(repo: Repository, worker: WorkerProcess) -> list[int]:
     """Ids of the jobs that ``worker`` holds in state running."""
     jobs = [repo.job(job_id) for job_id in repo.job_ids(state=JobState.RUNNING)]
     return [j["id"] for j in jobs if j and str(j["worker"]).endswith(f":{worker.pid}")]
+
+
+def kill_a_holder(fleet: Fleet, repo: Repository, rng: random.Random) -> list[int]:
+    """SIGKILL a worker that holds running jobs, once one does (the one holding the most,
+    ties drawn by ``rng``); the jobs it left running, which only their lease expiring frees.
+    Jobs of a few milliseconds leave a worker picked blindly holding none at times, and a
+    kill that catches nothing tests nothing. None is killed (no job: []) if the run settles
+    first: a worker's restart can outlast the rest of a short run."""
+
+    def holders() -> list[tuple[int, float, WorkerProcess]] | bool:
+        held = [(len(running_on(repo, w)), rng.random(), w) for w in fleet.running()]
+        return [h for h in held if h[0]] or settled_states(repo) is not None
+
+    found = wait_for(holders, 60, "a worker holding a running job", fleet.tails)
+    if found is True:
+        return []
+    assert isinstance(found, list)
+    *_, victim = max(found)
+    fleet.kill(victim)
+    return running_on(repo, victim)
 
 
 def attempts_histogram(repo: Repository) -> dict[int, int]:

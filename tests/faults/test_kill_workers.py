@@ -13,8 +13,8 @@ from tests.faults.harness import (
     Fleet,
     assert_exactly_once,
     attempts_histogram,
+    kill_a_holder,
     report,
-    running_on,
     seed_jobs,
     state_counts,
     wait_for,
@@ -54,12 +54,10 @@ def test_kill_9_workers_mid_run_loses_and_duplicates_nothing(
 
 
 def _kill_one_at(fleet: Fleet, repo: Repository, done: int, rng: random.Random) -> list[int]:
-    """Once ``done`` jobs are done, SIGKILL a random worker and start a replacement; the
-    jobs the victim left running (only their lease expiring frees them)."""
+    """Once ``done`` jobs are done, SIGKILL a worker holding running jobs and start a
+    replacement; the jobs the victim left running (only their lease expiring frees them)."""
     wait_for(lambda: state_counts(repo)["done"] >= done, 120, f"{done} done jobs", fleet.tails)
-    victim = rng.choice(fleet.running())
-    fleet.kill(victim)
-    orphans = running_on(repo, victim)
+    orphans = kill_a_holder(fleet, repo, rng)
     fleet.start()
     return orphans
 
