@@ -6,10 +6,9 @@ from datetime import timedelta
 
 from sqlalchemy import Connection, Engine, and_, case, func, select, text
 
-from models.counters import state_column
 from models.db import snapshot
 from models.schema import Dataset, Generation, Job, Run
-from models.states import JobState
+from models.states import COUNTER_COLUMN, JobState
 
 DONE, RUNNING = JobState.DONE.value, JobState.RUNNING.value
 
@@ -139,12 +138,12 @@ def _counter_problems(conn: Connection) -> list[str]:
     real: dict[tuple[str, str], dict[str, int]] = {}
     for run, dataset, state, n, prompt, completion in conn.execute(text(_COUNTED)):
         figures = real.setdefault((run, dataset), {})
-        figures[state_column(JobState(state))] = int(n)
+        figures[COUNTER_COLUMN[JobState(state)]] = int(n)
         if state == DONE:
             figures["done_prompt_tokens"] = int(prompt)
             figures["done_completion_tokens"] = int(completion)
     columns = [
-        *(state_column(s) for s in JobState),
+        *COUNTER_COLUMN.values(),
         "done_prompt_tokens",
         "done_completion_tokens",
     ]

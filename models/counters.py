@@ -24,11 +24,6 @@ def moved(source: JobState | None, target: JobState | None, n: int = 1) -> dict[
     return values
 
 
-def state_column(state: JobState) -> str:
-    """The datasets column that counts jobs in ``state``."""
-    return COUNTER_COLUMN[state]
-
-
 def moved_sql(source: JobState, target: JobState) -> str:
     """``moved`` as SQL for a SET clause, for the statements written in SQL (models.attempt)."""
     a, b = COUNTER_COLUMN[source], COUNTER_COLUMN[target]

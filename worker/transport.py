@@ -175,9 +175,9 @@ class Channel(kombu_redis.Channel):
         requests would reach the server one turn apart, to be admitted in more, smaller
         prefill passes (BENCHMARKS.md, "Several messages a turn")."""
         delivered = bool(super()._brpop_read(**options))  # type: ignore[no-untyped-call]
-        room = self.qos.can_consume_max_estimate()
         # Prefixed keys, or a broker that refused the script: kombu's one at a time.
-        if room and self._pops_several and not self.global_keyprefix:
+        several = self._pops_several and not self.global_keyprefix
+        if several and (room := self.qos.can_consume_max_estimate()):
             self._deliver_more(room)
         return delivered
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -310,22 +309,21 @@ def running_on(repo: Repository, worker: WorkerProcess) -> list[int]:
     return [j["id"] for j in jobs if j and str(j["worker"]).endswith(f":{worker.pid}")]
 
 
-def kill_a_holder(fleet: Fleet, repo: Repository, rng: random.Random) -> list[int]:
-    """SIGKILL a worker that holds running jobs, once one does (the one holding the most,
-    ties drawn by ``rng``); the jobs it left running, which only their lease expiring frees.
-    Jobs of a few milliseconds leave a worker picked blindly holding none at times, and a
-    kill that catches nothing tests nothing. None is killed (no job: []) if the run settles
-    first: a worker's restart can outlast the rest of a short run."""
+def kill_a_holder(fleet: Fleet, repo: Repository) -> list[int]:
+    """SIGKILL the worker holding the most running jobs, once one holds any; the jobs it left
+    running, which only their lease expiring frees. Jobs of a few milliseconds leave a worker
+    picked blindly holding none at times, and a kill that catches nothing tests nothing.
+    None is killed (no job: []) if the run settles first: a worker's restart can outlast the
+    rest of a short run."""
 
-    def holders() -> list[tuple[int, float, WorkerProcess]] | bool:
-        held = [(len(running_on(repo, w)), rng.random(), w) for w in fleet.running()]
+    def holders() -> list[tuple[int, WorkerProcess]] | bool:
+        held = [(len(running_on(repo, w)), w) for w in fleet.running()]
         return [h for h in held if h[0]] or settled_states(repo) is not None
 
     found = wait_for(holders, 60, "a worker holding a running job", fleet.tails)
-    if found is True:
+    if isinstance(found, bool):
         return []
-    assert isinstance(found, list)
-    *_, victim = max(found)
+    _, victim = max(found, key=lambda h: h[0])
     fleet.kill(victim)
     return running_on(repo, victim)
 

@@ -37,7 +37,7 @@ def test_kill_9_workers_mid_run_loses_and_duplicates_nothing(
     fleet.start()
     rng = random.Random(20_240_605)
     marks = sorted(rng.uniform(0.05, 0.8) for _ in range(KILLS))
-    orphaned = [_kill_one_at(fleet, repo, int(mark * total), rng) for mark in marks]
+    orphaned = [_kill_one_at(fleet, repo, int(mark * total)) for mark in marks]
     wait_settled(repo, fleet, timeout_s=180)
     assert_exactly_once(repo, total, fleet)
     _assert_orphans_were_redone(repo, [job_id for ids in orphaned for job_id in ids])
@@ -53,11 +53,11 @@ def test_kill_9_workers_mid_run_loses_and_duplicates_nothing(
     )
 
 
-def _kill_one_at(fleet: Fleet, repo: Repository, done: int, rng: random.Random) -> list[int]:
+def _kill_one_at(fleet: Fleet, repo: Repository, done: int) -> list[int]:
     """Once ``done`` jobs are done, SIGKILL a worker holding running jobs and start a
     replacement; the jobs the victim left running (only their lease expiring frees them)."""
     wait_for(lambda: state_counts(repo)["done"] >= done, 120, f"{done} done jobs", fleet.tails)
-    orphans = kill_a_holder(fleet, repo, rng)
+    orphans = kill_a_holder(fleet, repo)
     fleet.start()
     return orphans
 

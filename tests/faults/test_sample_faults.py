@@ -54,7 +54,7 @@ def test_kill_9_workers_mid_run_of_samples_loses_and_duplicates_no_sample(
     for share in (0.2, 0.5):
         done = int(share * total)
         wait_for(lambda d=done: state_counts(repo)["done"] >= d, 120, f"{done} done", fleet.tails)
-        orphans += kill_a_holder(fleet, repo, rng)
+        orphans += kill_a_holder(fleet, repo)
         fleet.start()
     wait_settled(repo, fleet, timeout_s=180)
     assert_exactly_once(repo, total, fleet)
