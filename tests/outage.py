@@ -20,6 +20,8 @@ T = TypeVar("T")
 # How long a condition may take before the test fails (a bound on failure, never a timing
 # the test relies on).
 PATIENCE_S = 120.0
+# How long ending one session may take (pg_terminate_backend waits for it, then warns).
+TERMINATE_WAIT_MS = 10_000
 
 
 def _split(database_url: str) -> tuple[str, str]:
@@ -35,11 +37,16 @@ def shut_out(database_url: str) -> None:
     admin, name = _split(database_url)
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE datname = %s AND pid <> pg_backend_pid()",
+        # Sessions waiting for a lock go first, each waited for until it has ended: ended
+        # together, a lock's holder could end first and its waiter run a query before its own
+        # end arrived, which no outage test means to allow.
+        pids = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()"
+            " ORDER BY wait_event_type IS NOT DISTINCT FROM 'Lock' DESC, pid",
             (name,),
-        )
+        ).fetchall()
+        for (pid,) in pids:
+            conn.execute("SELECT pg_terminate_backend(%s, %s)", (pid, TERMINATE_WAIT_MS))
 
 
 def let_in(database_url: str) -> None:
