@@ -78,17 +78,23 @@ def wait_for(condition: Callable[[], T | None], what: str) -> T:
         time.sleep(0.05)
 
 
-def lock_waiter(database_url: str, table: str, *, granted: bool = False) -> int | None:
-    """The pid of a session of the database waiting for a lock on ``table`` (``granted``:
-    holding one instead), or None."""
+def lock_waiters(database_url: str, table: str, *, granted: bool = False) -> list[int]:
+    """The pids of the sessions of the database waiting for a lock on ``table``
+    (``granted``: holding one instead), in pid order. A database cloned from the template has
+    the same table OIDs as its siblings, hence the filter on the database."""
     with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-        row = conn.execute(
+        rows = conn.execute(
             "SELECT l.pid FROM pg_locks l JOIN pg_database d ON d.oid = l.database"
             " WHERE d.datname = current_database() AND l.relation = %s::regclass"
-            " AND l.granted = %s AND l.pid <> pg_backend_pid() ORDER BY l.pid LIMIT 1",
+            " AND l.granted = %s AND l.pid <> pg_backend_pid() ORDER BY l.pid",
             (table, granted),
-        ).fetchone()
-    return None if row is None else int(row[0])
+        ).fetchall()
+    return [int(pid) for (pid,) in rows]
+
+
+def lock_waiter(database_url: str, table: str, *, granted: bool = False) -> int | None:
+    """The first of ``lock_waiters``, or None."""
+    return next(iter(lock_waiters(database_url, table, granted=granted)), None)
 
 
 def holds_lock(database_url: str, pid: int, table: str) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import redis
+from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
 from core import heartbeat
@@ -30,6 +31,7 @@ from eaglegen.stack import EmbeddedPostgres, EmbeddedRedis, free_port
 from models.db import make_engine
 from models.records import DatasetSpec, NewJob, RunSpec
 from models.repository import Repository
+from models.schema import Job
 from models.states import JobState
 from tests.helpers import InspectRepository, settled_states
 
@@ -303,29 +305,46 @@ def state_counts(repo: Repository) -> Counter[str]:
     return counts
 
 
+def running_by_pid(repo: Repository) -> dict[int, list[int]]:
+    """Ids of the jobs in state running, by the pid of the worker holding them (one query)."""
+    stmt = select(Job.id, Job.worker).where(Job.state == JobState.RUNNING.value)
+    held: dict[int, list[int]] = {}
+    with repo.engine.connect() as conn:
+        for job_id, worker in conn.execute(stmt):
+            pid = str(worker).rsplit(":", 1)[-1]
+            if pid.isdigit():
+                held.setdefault(int(pid), []).append(int(job_id))
+    return held
+
+
 def running_on(repo: Repository, worker: WorkerProcess) -> list[int]:
     """Ids of the jobs that ``worker`` holds in state running."""
-    jobs = [repo.job(job_id) for job_id in repo.job_ids(state=JobState.RUNNING)]
-    return [j["id"] for j in jobs if j and str(j["worker"]).endswith(f":{worker.pid}")]
+    return running_by_pid(repo).get(worker.pid, [])
+
+
+def busiest(repo: Repository, workers: list[WorkerProcess]) -> WorkerProcess | None:
+    """Of ``workers``, the one holding the most running jobs, if any holds one. Jobs of a few
+    milliseconds leave a worker picked blindly holding none at times, and a kill that catches
+    nothing tests nothing."""
+    held = running_by_pid(repo)
+    counts = [(len(held.get(w.pid, [])), w) for w in workers]
+    n, worker = max(counts, key=lambda c: c[0], default=(0, None))
+    return worker if n else None
 
 
 def kill_a_holder(fleet: Fleet, repo: Repository) -> list[int]:
-    """SIGKILL the worker holding the most running jobs, once one holds any; the jobs it left
-    running, which only their lease expiring frees. Jobs of a few milliseconds leave a worker
-    picked blindly holding none at times, and a kill that catches nothing tests nothing.
-    None is killed (no job: []) if the run settles first: a worker's restart can outlast the
-    rest of a short run."""
+    """SIGKILL the ``busiest`` worker, once one holds a job; the jobs it left running, which
+    only their lease expiring frees. None is killed (no job: []) if the run settles first: a
+    worker's restart can outlast the rest of a short run."""
 
-    def holders() -> list[tuple[int, WorkerProcess]] | bool:
-        held = [(len(running_on(repo, w)), w) for w in fleet.running()]
-        return [h for h in held if h[0]] or settled_states(repo) is not None
+    def ready() -> WorkerProcess | bool:
+        return busiest(repo, fleet.running()) or settled_states(repo) is not None
 
-    found = wait_for(holders, 60, "a worker holding a running job", fleet.tails)
+    found = wait_for(ready, 60, "a worker holding a running job", fleet.tails)
     if isinstance(found, bool):
         return []
-    _, victim = max(found, key=lambda h: h[0])
-    fleet.kill(victim)
-    return running_on(repo, victim)
+    fleet.kill(found)
+    return running_on(repo, found)
 
 
 def attempts_histogram(repo: Repository) -> dict[int, int]:

@@ -29,6 +29,7 @@ from tests.faults.harness import (
     PrivatePostgres,
     PrivateRedis,
     WorkerProcess,
+    busiest,
     fault_settings,
     make_repo,
     report,
@@ -210,8 +211,7 @@ def _turns_wait(repo: Repository, done: int) -> bool:
 
 def _victim(repo: Repository, fleet: Fleet, done: int, whom: str) -> WorkerProcess:
     """Once turns wait (``_turns_wait``): the worker holding the advancer's lock (``whom``
-    "advancer") or, of the others, the one running the most turns ("other"; drawn blindly,
-    it could hold none while turns take milliseconds)."""
+    "advancer") or, of the others, the ``busiest`` ("other")."""
 
     def ready() -> WorkerProcess | None:
         holder = _advancer_holder(fleet)
@@ -220,7 +220,7 @@ def _victim(repo: Repository, fleet: Fleet, done: int, whom: str) -> WorkerProce
         if whom == "advancer":
             return holder
         others = [w for w in fleet.running() if w is not holder]
-        return max(others, key=lambda w: len(running_on(repo, w)), default=None)
+        return busiest(repo, others) or (others[0] if others else None)
 
     return wait_for(ready, 120, f"{done} done turns, one waiting", fleet.tails)
 

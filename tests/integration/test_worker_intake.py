@@ -27,6 +27,7 @@ from tests.integration.test_worker_processes import (
     worker_env,
     worker_process,
 )
+from tests.outage import lock_waiters
 from worker.intake import spare
 
 # Room for thousands of short requests (no KV limit near), each held ~10 s by its decode
@@ -124,15 +125,10 @@ def test_an_answer_frees_its_slot_before_its_record_is_written(
             with lock.transaction():
                 lock.execute("LOCK TABLE generations IN SHARE MODE")
                 enqueue_file(settings, write_short_prompts(tmp_path / "rows.jsonl", 3))
+                url = settings.database_url
 
-                def records_waiting() -> int:
-                    row = lock.execute(
-                        "SELECT count(*) FROM pg_locks WHERE NOT granted"
-                        " AND relation = 'generations'::regclass"
-                        " AND database = (SELECT oid FROM pg_database"
-                        " WHERE datname = current_database())"
-                    ).fetchone()
-                    return row[0] if row is not None and row[0] >= 2 else 0
+                def records_waiting() -> bool:
+                    return len(lock_waiters(url, "generations")) >= 2
 
                 wait_for(records_waiting, timeout_s=120, what="two records waiting", log=log)
             states = wait_settled(repo, timeout_s=120)
