@@ -49,8 +49,8 @@ import httpx
 from sqlalchemy import Engine, select
 
 from bench.common import scratch_database, scratch_redis, write_short_prompts
-from bench.procs import eaglegen_command
-from bench.worker_throughput import _announced_url, _stop, cpu_seconds, eaglegen_worker
+from bench.procs import cpu_seconds, eaglegen_command
+from bench.worker_throughput import _announced_url, _stop, eaglegen_worker
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
 from models.db import make_engine

@@ -66,8 +66,10 @@ span, as bench_serving's dataset loading and start-up are outside its own. bench
 opens one connection per request (a new aiohttp session each); the worker keeps its
 connections alive. All processes (simulator, worker, Postgres, Redis, bench_serving) share
 this machine's cores: a busy machine slows both sides, and the client's CPU reported for
-bench_serving is its whole process, start-up included. A real SGLang server's costs per
-connection and per chunk are not the simulator's.
+bench_serving is its whole process, start-up included. Each round's CPU line names the
+processes: the worker(s), the simulator, and Postgres (its backends, all databases) and
+Redis when they run on this machine; `machine` is every core's busy time. A real SGLang
+server's costs per connection and per chunk are not the simulator's.
 
 Setup (once; a separate venv, the project's .venv is left alone; pip's warnings that sglang's
 other requirements, torch among them, are missing are expected):
@@ -110,9 +112,9 @@ import redis
 from sqlalchemy import select, text
 
 from bench.common import scratch_database, scratch_redis, wait_run_done, write_short_prompts
+from bench.procs import service_pids, tree_cpu_seconds
 from bench.worker_throughput import (
     InFlightSampler,
-    cpu_seconds,
     machine_busy_s,
     sim_process,
     take_prompts,
@@ -301,6 +303,8 @@ class Bench:
     inputs: list[list[int]]
     driver: Path
     drop: list[str]
+    # Postgres's and Redis's pids when they run here: their CPU is the pipeline's too.
+    services: dict[str, int]
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -400,7 +404,7 @@ def measured(
     assert bench.settings.broker_url is not None
     broker = redis.Redis.from_url(bench.settings.broker_url)
     broker.set(SENTINEL, "1")
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
     children = _children_cpu_s()
     busy = machine_busy_s()
     server = sim_stats(bench.sim_url)
@@ -410,7 +414,7 @@ def measured(
     steps = int(server_after["decode_steps"] - server["decode_steps"])
     prefill_s = float(server_after["prefill_seconds"] - server["prefill_seconds"])
     passes = int(server_after["prefill_passes"] - server["prefill_passes"])
-    cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    cpu = {name: tree_cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     if side == "bench_serving":
         cpu["bench_serving"] = _children_cpu_s() - children
     cpu["machine"] = machine_busy_s() - busy
@@ -523,7 +527,7 @@ def compare(bench: Bench, mode: Mode) -> list[tuple[Round, Round]]:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{mode}: load average before {load}", flush=True)
     with contextlib.ExitStack() as stack:
-        pids = {**start_workers(stack, bench, mode, log), "sim": bench.sim_pid}
+        pids = {**start_workers(stack, bench, mode, log), "sim": bench.sim_pid, **bench.services}
         for i in range(bench.args.rounds):
             client_run = functools.partial(
                 bench_serving_round, bench, mode, f"bench-serving-{label}-{i}"
@@ -574,9 +578,8 @@ def benchmark(args: argparse.Namespace) -> dict[Mode, list[tuple[Round, Round]]]
     if not venv_python(args.venv).exists():
         raise SystemExit(f"no bench_serving venv at {args.venv}: run with --setup first")
     database = scratch_database(args.database_url, DATABASE)
-    settings = Settings(
-        database_url=database, broker_url=scratch_redis(args.broker_url, REDIS_DB), queue=QUEUE
-    )
+    broker_url = scratch_redis(args.broker_url, REDIS_DB)
+    settings = Settings(database_url=database, broker_url=broker_url, queue=QUEUE)
     repo = Repository(make_engine(database, pool_size=2))
     logs = Path(tempfile.mkdtemp(prefix="eaglegen-bench-serving-"))
     print(f"logs, prompts and the bench_serving driver in {logs}", flush=True)
@@ -610,6 +613,7 @@ def benchmark(args: argparse.Namespace) -> dict[Mode, list[tuple[Round, Round]]]
             inputs=inputs,
             driver=write_driver(logs),
             drop=drop,
+            services=service_pids(database, broker_url),
         )
         mean = sum(map(len, inputs)) / len(inputs)
         print(

@@ -61,13 +61,8 @@ import redis
 from sqlalchemy import text
 
 from bench.common import scratch_database, scratch_redis, wait_run_done, write_short_prompts
-from bench.worker_throughput import (
-    _announced_url,
-    _stop,
-    cpu_seconds,
-    eaglegen_worker,
-    enqueue,
-)
+from bench.procs import cpu_seconds
+from bench.worker_throughput import _announced_url, _stop, eaglegen_worker, enqueue
 from core import keys
 from core.settings import Settings
 from eaglegen.sim.metrics import parse

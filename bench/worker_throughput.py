@@ -47,6 +47,7 @@ import httpx
 from sqlalchemy import select, text
 
 from bench.common import scratch_database, scratch_redis, wait_run_done, write_short_prompts
+from bench.procs import cpu_seconds
 from core import heartbeat
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
@@ -134,15 +135,6 @@ def in_flight(metrics: str) -> int:
     """Running plus waiting requests in a /metrics text (whatever the labels)."""
     names = ("sglang:num_running_reqs{", "sglang:num_queue_reqs{")
     return int(sum(v for k, v in parse(metrics).items() if k.startswith(names)))
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_s() -> float:

@@ -55,12 +55,17 @@ class ServerSpec(BaseModel):
 _LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0"})
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a host name or address means this machine."""
+    return host in _LOOPBACK or host.startswith("127.")
+
+
 def server_location(url: str) -> str:
     """``host:port`` of a server URL, a loopback host replaced by this machine's name (the
     same ``localhost:30000`` on two hosts is two servers)."""
     parts = urlsplit(url)
     host = parts.hostname or ""
-    if host in _LOOPBACK or host.startswith("127."):
+    if is_loopback(host):
         host = socket.gethostname()
     port = parts.port or (443 if parts.scheme == "https" else 80)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
