@@ -44,6 +44,13 @@ flight = running + queued requests on the simulator's /metrics every 0.2 s: its 
 mean from the first to the last sample that saw a request (the same mean on both sides means
 the same load was offered; a lower one, slots left empty).
 
+`--side job-path` puts the job's own path in the pipeline's place: `bench.job_path` runs
+`worker.runner.run_attempt` (slot, claim, call, check, record) over the run's jobs in as many
+threads as the limit, with no Celery, broker or feeder around it; `--side claim-ahead` runs it
+with twice the threads, each claiming its job before its slot. Both are upper bounds of what
+another consumer, or another order of the same work, could reach (issue 32), measured the
+same way as the pipeline.
+
 What is changed in bench_serving, at run time only, by a driver script written to a temp
 directory (nothing is installed into or edited in the sglang package):
 - stubs for two GPU-side imports it does not use here: `sglang.srt.utils` becomes a bare
@@ -77,7 +84,7 @@ other requirements, torch among them, are missing are expected):
 Run:
     .venv/bin/python -m bench.serving [--requests 2000] [--concurrency 64,256]
         [--modes plain,stream] [--rounds 3] [--max-new-tokens 192] [--incremental]
-        [--workers 1]
+        [--workers 1] [--side pipeline|job-path|claim-ahead]
         [--preset kimi-k2 --time-scale 0.2 | --decode-step-ms 0 --decode-ms-per-request 0]
 The simulator is a big KV pool with the decode timing given (default 10 ms a step + 0.05 ms
 a running request; 0 and 0 for a server that costs nothing, where the clients' own costs are
@@ -415,8 +422,8 @@ def measured(
     prefill_s = float(server_after["prefill_seconds"] - server["prefill_seconds"])
     passes = int(server_after["prefill_passes"] - server["prefill_passes"])
     cpu = {name: tree_cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-    if side == "bench_serving":
-        cpu["bench_serving"] = _children_cpu_s() - children
+    if side != "pipeline":  # a child process this one waited for
+        cpu[side] = _children_cpu_s() - children
     cpu["machine"] = machine_busy_s() - busy
     flushed = not broker.exists(SENTINEL)
     broker.close()
@@ -479,6 +486,29 @@ def pipeline_round(bench: Bench, name: str) -> tuple[int, int, float]:
     if not wait_run_done(bench.repo, name, ROUND_TIMEOUT_S):
         [counts] = bench.repo.counts(name)
         raise RuntimeError(f"{name}: not done after {ROUND_TIMEOUT_S:.0f} s: {counts.states}")
+    return generated(bench, name)
+
+
+def job_path_round(bench: Bench, mode: Mode, name: str) -> tuple[int, int, float]:
+    """The job's own path without Celery (`bench.job_path`, a process of its own, run to
+    its end) over the prompts enqueued as a new run; the same figures as a pipeline round."""
+    enqueue_sampled(bench.settings, bench.chat_rows, name, bench.sampling)
+    database, broker = bench.settings.database_url, bench.settings.broker_url
+    assert database is not None and broker is not None
+    command = [
+        *(sys.executable, "-m", "bench.job_path", "--run", name),
+        *("--database-url", database, "--broker-url", broker),
+        *("--server", bench.sim_url, "--concurrency", str(mode.concurrency)),
+        *(("--claim-ahead",) if bench.args.side == "claim-ahead" else ()),
+    ]
+    with (bench.logs / f"{name}.log").open("wb") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return generated(bench, name)
+
+
+def generated(bench: Bench, name: str) -> tuple[int, int, float]:
+    """A done run's generations checked against bench_serving's prompts; (generations,
+    tokens, first request received to last generation recorded)."""
     with bench.repo.engine.connect() as conn:
         n, tokens, shortest, longest, first, last = conn.execute(_WINDOW, {"run": name}).one()
         ids = conn.scalars(
@@ -492,7 +522,9 @@ def pipeline_round(bench: Bench, name: str) -> tuple[int, int, float]:
         )
     expected = len(bench.inputs)
     assert same, f"{name}: the jobs' input_ids are not bench_serving's prompts"
-    assert n == expected, f"{name}: {n} of {expected} generations ({counts.states})"
+    if n != expected:
+        [counts] = bench.repo.counts(name)
+        raise AssertionError(f"{name}: {n} of {expected} generations ({counts.states})")
     wanted = bench.args.max_new_tokens
     if not bench.args.natural_lengths:  # else compare() checks the tokens against bench_serving's
         assert shortest == longest == wanted, f"{name}: {shortest}..{longest} tokens, not {wanted}"
@@ -526,16 +558,23 @@ def compare(bench: Bench, mode: Mode) -> list[tuple[Round, Round]]:
     pairs = []
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{mode}: load average before {load}", flush=True)
+    job_path = bench.args.side != "pipeline"
     with contextlib.ExitStack() as stack:
-        pids = {**start_workers(stack, bench, mode, log), "sim": bench.sim_pid, **bench.services}
+        workers = {} if job_path else start_workers(stack, bench, mode, log)
+        pids = {**workers, "sim": bench.sim_pid, **bench.services}
         for i in range(bench.args.rounds):
             client_run = functools.partial(
                 bench_serving_round, bench, mode, f"bench-serving-{label}-{i}"
             )
             client = measured("bench_serving", client_run, bench, pids)
             print(client.line(), flush=True)
-            pipe_run = functools.partial(pipeline_round, bench, f"pipeline-{label}-{i}")
-            pipe = measured("pipeline", pipe_run, bench, pids)
+            if job_path:
+                pipe_run = functools.partial(
+                    job_path_round, bench, mode, f"{bench.args.side}-{label}-{i}"
+                )
+            else:
+                pipe_run = functools.partial(pipeline_round, bench, f"pipeline-{label}-{i}")
+            pipe = measured(bench.args.side, pipe_run, bench, pids)
             print(pipe.line(), flush=True)
             # Same prompts, outputs a function of them: a difference is a defect of the bench
             # (streamed, bench_serving may count a request short: see bench_serving_round).
@@ -548,7 +587,8 @@ def compare(bench: Bench, mode: Mode) -> list[tuple[Round, Round]]:
 
 def report(results: dict[Mode, list[tuple[Round, Round]]]) -> None:
     """Per mode: each side's tok/s per round, the ratio per pair, its median and range."""
-    print("\nmode            bench_serving tok/s     pipeline tok/s          ratio per pair")
+    side = f"{next(iter(results.values()))[0][1].side} tok/s"
+    print(f"\nmode            bench_serving tok/s     {side:23} ratio per pair")
     for mode, pairs in results.items():
         ratios = [p.tok_s / c.tok_s for c, p in pairs]
         clients = " ".join(f"{c.tok_s:,.0f}" for c, _ in pairs)
@@ -567,8 +607,10 @@ def report(results: dict[Mode, list[tuple[Round, Round]]]) -> None:
             f"the rounds' means {client_mean:.1f} / {pipe_mean:.1f}, peak "
             f"{max(c.peak_in_flight for c, _ in pairs)} / {max(p.peak_in_flight for _, p in pairs)}"
         )
-    for i, side in enumerate(("bench_serving", "pipeline")):
-        tokens = sorted({pair[i].tokens for pairs in results.values() for pair in pairs})
+    every = [pair for pairs in results.values() for pair in pairs]
+    for i in range(2):
+        side = every[0][i].side
+        tokens = sorted({pair[i].tokens for pair in every})
         same = "identical" if len(tokens) == 1 else "DIFFERENT"
         print(f"{side} tokens per round, as it counts them: {tokens} ({same})")
 
@@ -676,6 +718,14 @@ def main() -> None:
         default=1,
         help="worker processes (as bench.worker_stalls): they share the in-flight limit, "
         "its threads split among them, as `--numa-node auto` runs one a NUMA node",
+    )
+    parser.add_argument(
+        "--side",
+        choices=["pipeline", "job-path", "claim-ahead"],
+        default="pipeline",
+        help="what runs against bench_serving: the pipeline (Celery workers), or only the "
+        "job's own path in threads with no Celery (bench.job_path: an upper bound), or that "
+        "path claiming each job before its slot (bench.job_path --claim-ahead)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument(

@@ -44,7 +44,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,7 @@ from bench.worker_throughput import _announced_url, _stop, eaglegen_worker, enqu
 from core import keys
 from core.settings import Settings
 from eaglegen.sim.metrics import parse
+from eaglegen.stack import free_port
 from models.db import make_engine
 from models.repository import Repository
 from worker.metrics import PREFIX
@@ -218,13 +218,6 @@ def longest_idle(readings: Sequence[Reading], opened: float, closed: float) -> f
         elif reading.in_flight > 0 and since is not None:
             longest, since = max(longest, reading.at - since), None
     return longest if since is None else max(longest, closed - since)
-
-
-def free_port() -> int:
-    """A free TCP port on this machine."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import socket
-
 import psycopg
 import pytest
 from alembic.script import ScriptDirectory
 
 from core.urls import libpq_url
 from eaglegen.preflight import ServiceError, check_broker, check_database
+from eaglegen.stack import free_port
 from models.db import alembic_config, make_engine
 from models.pg import connect, schema_revisions
 
 # The newest migration: what this eaglegen asks an older schema to be upgraded to.
 HEAD = ScriptDirectory.from_config(alembic_config("postgresql://unused/db")).get_current_head()
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def set_revision(database_url: str, revision: str | None) -> None:
@@ -77,7 +69,7 @@ def test_a_plain_connection_has_an_engines_session_settings(database_url: str) -
 
 
 def test_unreachable_services_are_named_without_their_passwords() -> None:
-    port = closed_port()
+    port = free_port()  # nothing listens on it
     with pytest.raises(ServiceError) as db_error:
         check_database(f"postgresql://eaglegen:s3cret@127.0.0.1:{port}/db")
     with pytest.raises(ServiceError) as redis_error:

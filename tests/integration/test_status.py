@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from sqlalchemy import text
 from core.settings import Settings
 from core.urls import redact
 from eaglegen.report.progress import MIN_SPAN_S
+from eaglegen.stack import free_port
 from models.records import DatasetSpec, NewJob, RunSpec
 from models.repository import Repository
 from models.states import JobState
@@ -181,12 +181,6 @@ def test_failed_attempts_show_by_server_and_class(settings: Settings, repo: Repo
     assert d["jobs"]["queued"] == 3 and d["jobs"]["failed"] == 1
     assert d["eta_s"] is None and d["finished"] is None  # nothing done lately: unknown
     assert InspectRepository(repo.engine).audit(lease_grace_s=60) == []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
