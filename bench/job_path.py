@@ -10,12 +10,11 @@ from a list in memory: no message, no broker read, no task events, no acks, no f
 consumer of our own would still pay some of those, so this is an upper bound, not a design.
 
 `--claim-ahead`: twice as many threads as the limit, each claiming its job before it waits
-for a slot (the worker takes the slot first). So when a wave of answers frees the slots, a
-claimed job waits for each, and its request goes out after a Redis call, not after the
-claim's Postgres round trips too: what a design that claims ahead of the slots could gain
-where the server binds. A job whose slot does not come within EAGLEGEN_SLOT_WAIT_S waits
-again; a job the plain path could not start (no slot) goes back to the end of the list
-while a server is up.
+for a slot (the worker takes the slot first), and waiting again while a server is up. So
+when a wave of answers frees the slots, a claimed job waits for each, and its request goes
+out after a Redis call, not after the claim's Postgres round trips too: what a design that
+claims ahead of the slots could gain where the server binds. A job the plain path could
+not start (no slot) goes back to the end of the list while a server is up.
 
 It is one side of `bench.serving --side job-path`, which runs it against bench_serving in
 alternating rounds as it runs the pipeline (the same prompts, simulator and figures). Alone:
@@ -72,15 +71,24 @@ def claimed_ahead(ctx: WorkerContext, job_id: int) -> Result:
     if claim.job is None:
         return Result(Outcome.NOT_CLAIMED, reason=claim.outcome)
     lease = None
-    while lease is None:
+    while lease is None and _up(ctx):
         lease = ctx.router.acquire(ctx.settings.slot_wait_s)
-    held = [lease]
+    settled = False  # as the runner: an error leaves the job in doubt
     try:
-        return _run_claimed(ctx, claim.job, held)
+        if lease is None:  # every server went down: the job goes back, no attempt spent
+            ctx.repo.release(job_id, ctx.name, "no server up", refund=True)
+            settled = True
+            return Result(Outcome.NO_SLOT, reason="no server up")
+        held = [lease]
+        try:
+            result = _run_claimed(ctx, claim.job, held)
+        finally:
+            for each in held:
+                _give_back(ctx, each)
+        settled = True
+        return result
     finally:
-        ctx.end_attempt(job_id, settled=True)
-        for each in held:
-            _give_back(ctx, each)
+        ctx.end_attempt(job_id, settled)
 
 
 def run_jobs(

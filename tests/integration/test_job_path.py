@@ -18,6 +18,10 @@ from tests.helpers import enqueue_file
 from worker.runner import WorkerContext
 
 JOBS = 40
+OF_RUN = """
+SELECT jobs.state, jobs.attempts FROM jobs JOIN datasets ON datasets.id = jobs.dataset_id
+JOIN runs ON runs.id = datasets.run_id WHERE runs.name = :run
+"""
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["slot-first", "claim-ahead"])
@@ -47,7 +51,7 @@ def test_every_job_ends_done_once(
 
 
 def test_the_command_says_what_ended_and_fails_unless_all_done(
-    settings: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    settings: Settings, repo: Repository, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     enqueue_file(settings, write_short_prompts(tmp_path / "p.jsonl", 10), max_new_tokens=8)
     [server] = settings.servers
@@ -65,3 +69,9 @@ def test_the_command_says_what_ended_and_fails_unless_all_done(
     down = ["--server", f"http://127.0.0.1:{free_port()}"]
     assert main([*common, *down, "--run", "other"]) == 1
     assert "3 jobs: {'no_slot': 3}" in capsys.readouterr().out
+    # Claimed first, then no slot: each job goes back queued, no attempt spent.
+    assert main([*common, *down, "--run", "other", "--claim-ahead"]) == 1
+    assert "3 jobs: {'no_slot': 3}" in capsys.readouterr().out
+    with repo.engine.connect() as conn:
+        left = conn.execute(text(OF_RUN), {"run": "other"}).all()
+    assert sorted(left) == [("queued", 0)] * 3
