@@ -93,22 +93,26 @@ def service_pids(database_url: str, broker_url: str) -> dict[str, int]:
     """The pids of the Postgres server (its postmaster) and of the Redis server by name,
     those of them that run on this machine (a loopback address or a Unix socket)."""
     pids = {}
-    db, broker = make_url(database_url), redis.Redis.from_url(broker_url)
+    db = make_url(database_url)
+    if _here(db.host) or _here(db.query.get("host")):
+        engine = make_engine(database_url)
+        try:
+            with engine.connect() as conn:
+                backend = int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+                # Read while the session lasts: its backend ends with it.
+                stat = Path(f"/proc/{backend}/stat").read_text()
+            pids["postgres"] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, SQLAlchemyError):
+            pass  # not found: not shown
+        finally:
+            engine.dispose()
+    broker = redis.Redis.from_url(broker_url)
     try:
-        if _here(db.host) or _here(db.query.get("host")):
-            engine = make_engine(database_url)
-            try:
-                with engine.connect() as conn:
-                    backend = int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
-            finally:
-                engine.dispose()
-            parent = Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1]
-            pids["postgres"] = int(parent)
         where = broker.connection_pool.connection_kwargs
         if _here(where.get("host")) or "path" in where:
             pids["redis"] = int(broker.info("server")["process_id"])
-    except (OSError, redis.RedisError, SQLAlchemyError):
-        pass  # what could not be found is not shown
+    except redis.RedisError:
+        pass  # not found: not shown
     finally:
         broker.close()
     return pids
