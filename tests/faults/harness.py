@@ -277,9 +277,14 @@ class Fleet:
 
 
 def wait_for(
-    check: Callable[[], T | None], timeout_s: float, what: str, diagnostics: Callable[[], str]
+    check: Callable[[], T | None],
+    timeout_s: float,
+    what: str,
+    diagnostics: Callable[[], str],
+    every_s: float = 0.1,
 ) -> T:
-    """Poll ``check`` until it returns something truthy; outages of a service are retried."""
+    """Poll ``check`` every ``every_s`` until it returns something truthy; outages of a
+    service are retried."""
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None
     while True:
@@ -294,7 +299,7 @@ def wait_for(
                 f"timed out after {timeout_s:.0f} s waiting for {what} "
                 f"(last service error: {last_error})\n{diagnostics()}"
             )
-        time.sleep(0.1)
+        time.sleep(every_s)
 
 
 def state_counts(repo: Repository) -> Counter[str]:
@@ -349,7 +354,8 @@ def kill_a_holder(fleet: Fleet, repo: Repository) -> list[int]:
     tries = 0
     while True:
         tries += 1
-        found = wait_for(ready, 60, "a worker holding a running job", fleet.tails)
+        # Every 10 ms: jobs of a few milliseconds are running only now and then.
+        found = wait_for(ready, 60, "a worker holding a running job", fleet.tails, 0.01)
         if isinstance(found, bool):
             return []
         fleet.kill(found)
