@@ -44,8 +44,8 @@ def test_kill_9_workers_mid_run_of_samples_loses_and_duplicates_no_sample(
     rows = [{"messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(ROWS)]
     path = write_jsonl(tmp_path / "q.jsonl", rows)
     total = enqueue(
-        fast_settings, path, TOKENIZER_DIR, samples=SAMPLES, variants=VARIANTS, max_new_tokens=32
-    ).accepted
+        fast_settings, path, TOKENIZER_DIR, samples=SAMPLES, variants=VARIANTS, max_new_tokens=256
+    ).accepted  # answers long enough (~0.1 s at the test simulator's pace) for a kill to catch
     assert total == ROWS * SAMPLES
     fleet.start()
     fleet.start()
