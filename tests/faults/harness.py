@@ -337,31 +337,20 @@ def busiest(repo: Repository, workers: list[WorkerProcess]) -> WorkerProcess | N
     return worker if n else None
 
 
-# Kills kill_a_holder may make before one catches a job running.
-KILL_TRIES = 5
-
-
 def kill_a_holder(fleet: Fleet, repo: Repository) -> list[int]:
     """SIGKILL the ``busiest`` worker, once one holds a job; the jobs it left running, which
     only their lease expiring frees. None is killed (no job: []) if the run settles first: a
-    worker's restart can outlast the rest of a short run. A job of a few milliseconds can
-    end between the look and the kill: then a replacement is started and another worker
-    killed, up to KILL_TRIES kills, so that the kill the caller counts on catches a job."""
+    worker's restart can outlast the rest of a short run."""
 
     def ready() -> WorkerProcess | bool:
         return busiest(repo, fleet.running()) or settled_states(repo) is not None
 
-    tries = 0
-    while True:
-        tries += 1
-        # Every 10 ms: jobs of a few milliseconds are running only now and then.
-        found = wait_for(ready, 60, "a worker holding a running job", fleet.tails, 0.01)
-        if isinstance(found, bool):
-            return []
-        fleet.kill(found)
-        if (orphans := running_on(repo, found)) or tries == KILL_TRIES:
-            return orphans
-        fleet.start()  # the victim's place, as the caller fills it after the last kill
+    # Looked for often: a short job is running only now and then.
+    found = wait_for(ready, 60, "a worker holding a running job", fleet.tails, 0.01)
+    if isinstance(found, bool):
+        return []
+    fleet.kill(found)
+    return running_on(repo, found)
 
 
 def attempts_histogram(repo: Repository) -> dict[int, int]:

@@ -12,7 +12,7 @@ from bench.procs import cpu_seconds, service_pids, tree_cpu_seconds
 from models.db import make_engine
 from tests.outage import wait_for
 
-# A query that keeps its backend busy for a few hundred milliseconds of CPU.
+# A query that keeps its backend busy long enough for its CPU to show in /proc.
 BUSY_QUERY = "SELECT count(*) FROM generate_series(1, 3000000) AS s WHERE s % 7 = 3"
 
 

@@ -152,11 +152,15 @@ def test_one_controller_moves_the_shared_limit_to_the_knee_and_the_router_holds_
             time.sleep(INTERVAL_S)
     assert writers == {"worker-a"} and a.leading and not b.leading
     record = read_limit(client, server.name)
-    assert record is not None and record.by == "worker-a"
-    # The knee: 8 running, plus the headroom the server admits from when one finishes.
+    assert record is not None and record.by == "worker-a" and record.limit < START
+    # The knee: 8 running, plus the headroom the server admits from when one finishes. The
+    # limit reaches it; it may leave it later only by growing on an empty queue, which a
+    # loaded machine shows when the load's threads hold slots they are too slow to use.
     headroom = Tuning().headroom(8)
-    assert 8 + headroom <= record.limit <= 8 + 2 * headroom + 1 < START
-    assert "queue" in record.reason
+    knee = range(8 + headroom, 8 + 2 * headroom + 2)
+    reached = next((i for i, (_, limit) in enumerate(held) if limit in knee), None)
+    assert reached is not None, held
+    assert record.limit in knee or ": grow" in record.reason, record
     # The Router honours it. Requests sent before a cut drain at the server's pace (slower on a
     # loaded machine), so the count may stay over a new limit for a while, but it never grows
     # there: once a limit has stood for three samples (every cache older than its tenth of a
