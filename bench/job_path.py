@@ -38,8 +38,9 @@ from core.settings import ServerSpec, Settings
 from models.schema import Dataset, Job, Run
 from models.states import JobState
 
-# The runner's own steps after the claim, for --claim-ahead's other order of the same work.
-from worker.runner import Outcome, Result, WorkerContext, _give_back, _run_claimed, run_attempt
+# The runner's own steps after the claim (run_claimed, give_back), for --claim-ahead's other
+# order of the same work.
+from worker.runner import Outcome, Result, WorkerContext, give_back, run_attempt, run_claimed
 
 QUEUE = "bench-job-path"  # nothing consumes it: the jobs are taken from memory
 
@@ -81,10 +82,10 @@ def claimed_ahead(ctx: WorkerContext, job_id: int) -> Result:
             return Result(Outcome.NO_SLOT, reason="no server up")
         held = [lease]
         try:
-            result = _run_claimed(ctx, claim.job, held)
+            result = run_claimed(ctx, claim.job, held)
         finally:
             for each in held:
-                _give_back(ctx, each)
+                give_back(ctx, each)
         settled = True
         return result
     finally:

@@ -80,6 +80,16 @@ def cpu_seconds(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent busy so far (Linux /proc/stat; 0 elsewhere)."""
+    try:
+        fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_seconds(root: int) -> float:
     """CPU seconds of a process and every process below it, live or ended (an ended child's
     are its own until it is waited for, a zombie, then its parent's cutime/cstime): a

@@ -119,10 +119,9 @@ import redis
 from sqlalchemy import select, text
 
 from bench.common import scratch_database, scratch_redis, wait_run_done, write_short_prompts
-from bench.procs import service_pids, tree_cpu_seconds
+from bench.procs import machine_busy_s, service_pids, tree_cpu_seconds
 from bench.worker_throughput import (
     InFlightSampler,
-    machine_busy_s,
     sim_process,
     take_prompts,
     worker_process,

@@ -47,7 +47,7 @@ import httpx
 from sqlalchemy import select, text
 
 from bench.common import scratch_database, scratch_redis, wait_run_done, write_short_prompts
-from bench.procs import cpu_seconds
+from bench.procs import cpu_seconds, machine_busy_s
 from core import heartbeat
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
@@ -135,16 +135,6 @@ def in_flight(metrics: str) -> int:
     """Running plus waiting requests in a /metrics text (whatever the labels)."""
     names = ("sglang:num_running_reqs{", "sglang:num_queue_reqs{")
     return int(sum(v for k, v in parse(metrics).items() if k.startswith(names)))
-
-
-def machine_busy_s() -> float:
-    """CPU seconds all cores spent busy so far (Linux /proc/stat; 0 elsewhere)."""
-    try:
-        fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager

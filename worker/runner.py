@@ -367,7 +367,7 @@ def run_attempt(ctx: WorkerContext, job_id: int) -> Result:
         return _claimed_attempt(ctx, job_id, held)
     finally:
         for each in held:
-            _give_back(ctx, each)
+            give_back(ctx, each)
 
 
 def _turn_server(ctx: WorkerContext, job_id: int) -> str | None:
@@ -383,7 +383,7 @@ def _turn_server(ctx: WorkerContext, job_id: int) -> str | None:
     return found.decode() if isinstance(found, bytes) else None
 
 
-def _give_back(ctx: WorkerContext, lease: Lease) -> None:
+def give_back(ctx: WorkerContext, lease: Lease) -> None:
     """Return a slot. Redis out of reach changes nothing of how the attempt ended (its job
     may be recorded already): the slot, no longer renewed, lapses by itself."""
     try:
@@ -423,14 +423,17 @@ def _claimed_attempt(ctx: WorkerContext, job_id: int, held: list[Lease]) -> Resu
         return Result(Outcome.NOT_CLAIMED, reason="no longer queued (done or taken elsewhere)")
     settled = False  # until the attempt ends settled; an error leaves the job in doubt
     try:
-        result = _run_claimed(ctx, claim.job, held)
+        result = run_claimed(ctx, claim.job, held)
         settled = True
         return result
     finally:
         ctx.end_attempt(job_id, settled)
 
 
-def _run_claimed(ctx: WorkerContext, job: ClaimedJob, held: list[Lease]) -> Result:
+def run_claimed(ctx: WorkerContext, job: ClaimedJob, held: list[Lease]) -> Result:
+    """The attempt of a job this worker has claimed, holding the slots in ``held`` (which
+    ends holding those the caller still gives back): a slot on a server of its model, the
+    call, the check and the record, every failure settled."""
     lease = _slot_of_its_model(ctx, job, held)
     if isinstance(lease, Result):
         return lease
@@ -456,7 +459,7 @@ def _slot_of_its_model(ctx: WorkerContext, job: ClaimedJob, held: list[Lease]) -
         reason = f"no free slot on a server of model {wanted.model!r}"
         ctx.repo.release(job.id, ctx.name, reason, refund=True)
         return Result(Outcome.RETRY, reason=reason)
-    _give_back(ctx, held.pop())
+    give_back(ctx, held.pop())
     held.append(other)
     return other
 
@@ -492,7 +495,7 @@ def _generated(ctx: WorkerContext, job: ClaimedJob, lease: Lease, held: list[Lea
     if failure is not None:
         return _settle_failure(ctx, server, job, failure)
     held.remove(lease)
-    _give_back(ctx, lease)
+    give_back(ctx, lease)
     if changed := server.still_serves(job.run_model):  # another model answered: not the run's
         wait = ctx.settings.health_interval_s
         ctx.repo.release(job.id, ctx.name, changed, refund=True, retry_in_s=wait)
