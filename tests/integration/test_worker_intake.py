@@ -64,15 +64,18 @@ def test_a_default_worker_fills_a_limit_that_grows_past_its_start(
             # More requests at the server than the limit it started from (and than the 64
             # threads a worker had by default): the limit grew, and the worker filled it.
             # The limit is read on every poll: the controller may trim it again right after
-            # the worker filled it, so the highest limit stored is what shows it grew.
+            # the worker filled it, so the highest limit stored is what shows it grew. It is
+            # read after the server's count: a limit that grows between the two readings
+            # lets requests through before the poll sees it, never after.
             limits: list[int] = []
             with redis.Redis.from_url(settings.broker_url) as client:
 
                 def filled() -> int | bool:
+                    n = server_in_flight(sim)
                     record = read_limit(client, "sim")
                     if record is not None:
                         limits.append(record.limit)
-                    return (n := server_in_flight(sim)) > START_LIMIT and n
+                    return n > START_LIMIT and n
 
                 seen = wait_for(
                     filled,
