@@ -431,9 +431,9 @@ def _claimed_attempt(ctx: WorkerContext, job_id: int, held: list[Lease]) -> Resu
 
 
 def run_claimed(ctx: WorkerContext, job: ClaimedJob, held: list[Lease]) -> Result:
-    """The attempt of a job this worker has claimed, holding the slots in ``held`` (which
-    ends holding those the caller still gives back): a slot on a server of its model, the
-    call, the check and the record, every failure settled."""
+    """The rest of an attempt once its job is claimed: a slot on a server of the job's model
+    (swapped into ``held`` if need be), the call, the check and the record, every failure
+    settled. The caller gives back the slots ``held`` still holds."""
     lease = _slot_of_its_model(ctx, job, held)
     if isinstance(lease, Result):
         return lease
