@@ -32,7 +32,7 @@ import collections
 import sys
 import threading
 
-from sqlalchemy import select
+from sqlalchemy import Engine, select
 
 from core.settings import ServerSpec, Settings
 from models.schema import Dataset, Job, Run
@@ -45,9 +45,9 @@ from worker.runner import Outcome, Result, WorkerContext, give_back, run_attempt
 QUEUE = "bench-job-path"  # nothing consumes it: the jobs are taken from memory
 
 
-def queued_jobs(ctx: WorkerContext, run: str) -> list[int]:
+def queued_jobs(engine: Engine, run: str) -> list[int]:
     """The queued jobs of ``run``, in the order the feeder would publish them."""
-    with ctx.repo.engine.connect() as conn:
+    with engine.connect() as conn:
         found = conn.scalars(
             select(Job.id)
             .join(Dataset, Dataset.id == Job.dataset_id)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         settings, settings.services(), [ServerSpec(name="sim", url=args.server)]
     )
     try:
-        jobs = queued_jobs(ctx, args.run)
+        jobs = queued_jobs(ctx.repo.engine, args.run)
         threads = 2 * args.concurrency if args.claim_ahead else args.concurrency
         ended = run_jobs(ctx, jobs, threads, args.claim_ahead)
     finally:

@@ -49,7 +49,9 @@ the same load was offered; a lower one, slots left empty).
 threads as the limit, with no Celery, broker or feeder around it; `--side claim-ahead` runs it
 with twice the threads, each claiming its job before its slot. Both are upper bounds of what
 another consumer, or another order of the same work, could reach (issue 32), measured the
-same way as the pipeline.
+same way as the pipeline. `--side loop` runs `bench.loop_path`: the same work driven from one
+event loop, its claims and records in batches (the batched worker of docs/design.md §7,
+measured before it is built).
 
 What is changed in bench_serving, at run time only, by a driver script written to a temp
 directory (nothing is installed into or edited in the sglang package):
@@ -84,7 +86,7 @@ other requirements, torch among them, are missing are expected):
 Run:
     .venv/bin/python -m bench.serving [--requests 2000] [--concurrency 64,256]
         [--modes plain,stream] [--rounds 3] [--max-new-tokens 192] [--incremental]
-        [--workers 1] [--side pipeline|job-path|claim-ahead]
+        [--workers 1] [--side pipeline|job-path|claim-ahead|loop]
         [--preset kimi-k2 --time-scale 0.2 | --decode-step-ms 0 --decode-ms-per-request 0]
 The simulator is a big KV pool with the decode timing given (default 10 ms a step + 0.05 ms
 a running request; 0 and 0 for a server that costs nothing, where the clients' own costs are
@@ -494,11 +496,13 @@ def job_path_round(bench: Bench, mode: Mode, name: str) -> tuple[int, int, float
     enqueue_sampled(bench.settings, bench.chat_rows, name, bench.sampling)
     database, broker = bench.settings.database_url, bench.settings.broker_url
     assert database is not None and broker is not None
+    side = bench.args.side
     command = [
-        *(sys.executable, "-m", "bench.job_path", "--run", name),
-        *("--database-url", database, "--broker-url", broker),
+        *(sys.executable, "-m", "bench.loop_path" if side == "loop" else "bench.job_path"),
+        *("--run", name, "--database-url", database),
         *("--server", bench.sim_url, "--concurrency", str(mode.concurrency)),
-        *(("--claim-ahead",) if bench.args.side == "claim-ahead" else ()),
+        *(("--claim-ahead",) if side == "claim-ahead" else ()),
+        *(() if side == "loop" else ("--broker-url", broker)),
     ]
     with (bench.logs / f"{name}.log").open("wb") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -720,11 +724,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--side",
-        choices=["pipeline", "job-path", "claim-ahead"],
+        choices=["pipeline", "job-path", "claim-ahead", "loop"],
         default="pipeline",
         help="what runs against bench_serving: the pipeline (Celery workers), or only the "
         "job's own path in threads with no Celery (bench.job_path: an upper bound), or that "
-        "path claiming each job before its slot (bench.job_path --claim-ahead)",
+        "path claiming each job before its slot (bench.job_path --claim-ahead), or the "
+        "same work from one event loop with batched claims and records (bench.loop_path)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument(

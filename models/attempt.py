@@ -16,9 +16,11 @@ are kept equal to the tables by the tests that run them against a migrated datab
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from psycopg import Cursor
+import psycopg
+from psycopg import AsyncConnection, Cursor
 from psycopg.errors import UniqueViolation
 from psycopg.types.json import Jsonb
 from sqlalchemy import Engine
@@ -46,7 +48,7 @@ QUEUED, RUNNING = JobState.QUEUED, JobState.RUNNING
 # facts, read without a lock (they do not change while the job is queued, but for the
 # dataset's observed estimate, which only changes what the job holds: see `_need`). The
 # prompt's ids come with the take, only to the worker that wins the job.
-_FACTS = """
+_FACTS_OF = """
 SELECT jobs.id, jobs.dataset_id, jobs.prompt_tokens, jobs.variant, jobs.sampling_seed,
        jobs.opens_reasoning,
        datasets.sampling_params, datasets.variants, datasets.budget_basis,
@@ -54,8 +56,8 @@ SELECT jobs.id, jobs.dataset_id, jobs.prompt_tokens, jobs.variant, jobs.sampling
        datasets.name AS dataset, runs.name AS run, runs.think_end_id, runs.vocab_size,
        runs.model_name, runs.tokenizer_path
 FROM jobs JOIN datasets ON datasets.id = jobs.dataset_id JOIN runs ON runs.id = datasets.run_id
-WHERE jobs.id = %(job)s AND jobs.state = 'queued'
-"""
+WHERE jobs.state = 'queued' AND """
+_FACTS = _FACTS_OF + "jobs.id = %(job)s"
 
 # Lock the job's row if it is still queued (the first CTE of the take and the skip): a
 # job another worker took meanwhile drops out, after waiting for that worker's statement.
@@ -182,12 +184,7 @@ def claim(engine: Engine, job_id: int, worker: str, lease_seconds: int) -> Claim
         facts = cursor.execute(_FACTS, {"job": job_id}).fetchone()
         if facts is None:
             return Claim("not_queued")
-        params = request_params(
-            facts.sampling_params or {},
-            variants_of(facts.variants),
-            facts.variant,
-            facts.sampling_seed,
-        )
+        params = _params(facts)
         need = _need(facts, params)
         taken = {"job": job_id, "worker": worker, "lease": lease_seconds, "need": need}
         take = cursor.execute(_TAKE, taken).fetchone()
@@ -198,6 +195,12 @@ def claim(engine: Engine, job_id: int, worker: str, lease_seconds: int) -> Claim
             skipped = _one(cursor, _SKIP_IF_SPENT, {"job": job_id})
             return Claim("skipped" if skipped else "deferred")
     return Claim("claimed", _claimed(facts, params, take, need))
+
+
+def _params(facts: Any) -> dict[str, Any]:
+    """The sampling params the job's request sends."""
+    variants = variants_of(facts.variants)
+    return request_params(facts.sampling_params or {}, variants, facts.variant, facts.sampling_seed)
 
 
 def _need(facts: Any, params: dict[str, Any]) -> int:
@@ -229,18 +232,9 @@ def _claimed(facts: Any, params: dict[str, Any], take: Any, need: int) -> Claime
 def record(engine: Engine, job_id: int, worker: str, gen: GenerationRecord) -> bool:
     """Store the generation, settle the ledger, mark done: atomically, in one statement;
     False if not ours (or, never while the claim holds, already recorded)."""
-    row = {
-        "job": job_id,
-        "worker": worker,
-        "used_total": settled(gen.prompt_tokens, gen.completion_tokens, BudgetBasis.TOTAL),
-        "used_completion": settled(
-            gen.prompt_tokens, gen.completion_tokens, BudgetBasis.COMPLETION
-        ),
-        **_generation_params(gen),
-    }
     with autocommit_cursor(engine) as cursor:
         try:
-            dataset = cursor.execute(_RECORD, row).fetchone()
+            dataset = cursor.execute(_RECORD, _record_params(job_id, gen, worker)).fetchone()
         except UniqueViolation:
             return False
         if dataset is None:
@@ -260,15 +254,22 @@ def _estimate(cursor: Cursor[Any], dataset: Any) -> int | None:
     fails; the next due count catches up). Only a budgeted dataset under "observed" reads
     its lengths: the others reserve nothing that matters, or the worst case.
     """
-    if dataset.reserve != ReservePolicy.OBSERVED or dataset.budget_tokens is None:
-        return None
-    if not estimate_due(dataset.jobs_done) or dataset.max_new_tokens is None:
+    if not _estimate_due(dataset):
         return None
     lengths = cursor.execute(
         _RECENT_COMPLETIONS,
         {"dataset": dataset.id, "scan": _ESTIMATE_SCAN, "sample": OBSERVED_SAMPLE},
     ).fetchall()
     return observed_completion([row[0] for row in lengths], int(dataset.max_new_tokens))
+
+
+def _estimate_due(dataset: Any) -> bool:
+    return (
+        dataset.reserve == ReservePolicy.OBSERVED
+        and dataset.budget_tokens is not None
+        and dataset.max_new_tokens is not None
+        and estimate_due(dataset.jobs_done)
+    )
 
 
 def _one(cursor: Cursor[Any], sql: str, params: dict[str, Any]) -> bool:
@@ -292,3 +293,103 @@ def _generation_params(gen: GenerationRecord) -> dict[str, Any]:
         "reasoning_tokens": gen.reasoning_tokens,
         "answer_tokens": gen.answer_tokens,
     }
+
+
+# Batches, for a path that drives many requests from one event loop (bench.loop_path, the
+# measure of docs/design.md §7's batched worker): the same statements, sent many at a time
+# in one pipeline, so that a batch costs one round trip and one commit instead of one each.
+# A pipeline's statements run as one implicit transaction (up to its Sync), each seeing the
+# ones before it as the single statements see each other one after the other: the ledger
+# rule holds job by job. Their locks last until the batch ends (on the server, with no
+# round trip inside), taken in one order: the jobs' rows by dataset then id, each dataset's
+# row after its first job's, as a single statement takes them. An error aborts the whole
+# batch; its jobs are then tried one at a time, so one bad row costs only itself.
+
+
+async def claim_batch(
+    conn: AsyncConnection[Any], job_ids: Sequence[int], worker: str, lease_seconds: int
+) -> list[Claim]:
+    """`claim` for each of ``job_ids`` (in that order) on ``conn`` (autocommit, rows as
+    named tuples), in two round trips: the jobs' facts in one statement, the takes in one
+    pipeline. A job that did not fit is deferred or skipped as `claim` does, alone."""
+    found = await conn.execute(_FACTS_OF + "jobs.id = ANY(%(jobs)s)", {"jobs": list(job_ids)})
+    facts = sorted(await found.fetchall(), key=lambda f: (f.dataset_id, f.id))
+    params = [_params(f) for f in facts]
+    needs = [_need(f, p) for f, p in zip(facts, params, strict=True)]
+    values = [
+        {"job": f.id, "worker": worker, "lease": lease_seconds, "need": need}
+        for f, need in zip(facts, needs, strict=True)
+    ]
+    try:
+        takes = await _pipelined(conn, _TAKE, values)
+    except psycopg.Error:
+        if len(job_ids) == 1:
+            raise
+        return [c for j in job_ids for c in await claim_batch(conn, [j], worker, lease_seconds)]
+    claims = {}
+    for fact, param, need, take in zip(facts, params, needs, takes, strict=True):
+        if not take.queued:
+            continue  # taken meanwhile: not_queued
+        if take.attempts is not None:
+            claims[fact.id] = Claim("claimed", _claimed(fact, param, take, need))
+        else:
+            skipped = await (await conn.execute(_SKIP_IF_SPENT, {"job": fact.id})).fetchone()
+            claims[fact.id] = Claim("skipped" if skipped else "deferred")
+    return [claims.get(j, Claim("not_queued")) for j in job_ids]
+
+
+async def record_batch(
+    conn: AsyncConnection[Any], worker: str, done: Sequence[tuple[ClaimedJob, GenerationRecord]]
+) -> list[bool]:
+    """`record` for each of ``done`` (in that order) on ``conn``, in one pipeline: whether
+    each was stored (False: the claim was lost, or a generation was already stored)."""
+    order = sorted(range(len(done)), key=lambda i: (done[i][0].dataset_id, done[i][0].id))
+    try:
+        values = [_record_params(done[i][0].id, done[i][1], worker) for i in order]
+        rows = await _pipelined(conn, _RECORD, values)
+    except UniqueViolation:
+        if len(done) == 1:
+            return [False]
+        return [ok for one in done for ok in await record_batch(conn, worker, [one])]
+    stored = [False] * len(done)
+    for i, dataset in zip(order, rows, strict=True):
+        stored[i] = dataset is not None
+        if dataset is not None and _estimate_due(dataset):
+            await _refresh_estimate(conn, dataset)
+    return stored
+
+
+def _record_params(job_id: int, gen: GenerationRecord, worker: str) -> dict[str, Any]:
+    """The record's values: whose job, what it used under either basis, the generation."""
+    return {
+        "job": job_id,
+        "worker": worker,
+        "used_total": settled(gen.prompt_tokens, gen.completion_tokens, BudgetBasis.TOTAL),
+        "used_completion": settled(
+            gen.prompt_tokens, gen.completion_tokens, BudgetBasis.COMPLETION
+        ),
+        **_generation_params(gen),
+    }
+
+
+async def _pipelined(
+    conn: AsyncConnection[Any], sql: str, params: list[dict[str, Any]]
+) -> list[Any]:
+    """Run ``sql`` once per params in one pipeline (one transaction); each one's first row
+    (None for none)."""
+    cursors = []
+    async with conn.pipeline():
+        for each in params:
+            cursor = conn.cursor()
+            await cursor.execute(sql, each)
+            cursors.append(cursor)
+    return [await cursor.fetchone() for cursor in cursors]
+
+
+async def _refresh_estimate(conn: AsyncConnection[Any], dataset: Any) -> None:
+    """Store the dataset's new observed estimate (its record made it due: `_estimate`)."""
+    scan = {"dataset": dataset.id, "scan": _ESTIMATE_SCAN, "sample": OBSERVED_SAMPLE}
+    lengths = await (await conn.execute(_RECENT_COMPLETIONS, scan)).fetchall()
+    estimate = observed_completion([row[0] for row in lengths], int(dataset.max_new_tokens))
+    if estimate is not None:
+        await conn.execute(_STORE_ESTIMATE, {"dataset": dataset.id, "estimate": estimate})

@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
 
 import redis
 from sqlalchemy import Engine
@@ -542,17 +543,23 @@ def _record(ctx: WorkerContext, job_id: int, record: GenerationRecord) -> bool:
 
 
 def _generate(server: Server, job: ClaimedJob) -> GenerationRecord:
-    rid = str(job.id)
-    body = server.client.generate(job.input_ids, job.sampling_params, rid=rid)
+    body = server.client.generate(job.input_ids, job.sampling_params, rid=str(job.id))
+    return checked_answer(body, job, server.name)
+
+
+def checked_answer(body: Any, job: ClaimedJob, server: str) -> GenerationRecord:
+    """A server's parsed answer to ``job`` (sent with the job's id as its rid) checked
+    against the request, as a record to store (reasoning split where the run's prompts
+    open it); AttemptError if it does not fit."""
     max_new = job.sampling_params.get("max_new_tokens")
     sent = Request(
         job.input_ids,
-        rid,
+        str(job.id),
         max_new_tokens=max_new if type(max_new) is int else None,
         vocab_size=job.vocab_size,
         stop_token_ids=stop_ids(job.sampling_params),
     )
-    record = check_response(body, sent, server.name)
+    record = check_response(body, sent, server)
     if job.think_end_id is None:
         return record
     split = split_reasoning(record.output_ids, job.think_end_id)

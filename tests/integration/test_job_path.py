@@ -35,7 +35,7 @@ def test_every_job_ends_done_once(
     )
     ctx = WorkerContext.build(local, local.services(), list(settings.servers))
     try:
-        jobs = queued_jobs(ctx, "run")
+        jobs = queued_jobs(ctx.repo.engine, "run")
         assert len(jobs) == JOBS
         ended = run_jobs(ctx, jobs, 2 * limit if ahead else limit, ahead)
     finally:

@@ -1,0 +1,267 @@
+"""The job's path driven from one event loop, its claims and records in batches: what the
+batched worker of docs/design.md §7 could reach at best (issue 32, goal 3).
+
+`bench.job_path` showed that no consumer in front of today's job path reaches goal 3: each
+job's slot, claim, call, check and record in a thread of its own cost the one interpreter
+too much (BENCHMARKS.md, "The job's own path with no Celery"). This process measures the
+other design before anyone builds it into the worker:
+
+- one asyncio loop drives every request, each of ``--concurrency`` lanes on a keep-alive
+  connection of its own (a minimal HTTP/1.1 client on asyncio streams: SGLang answers
+  ``/generate`` with a Content-Length body, read up to the worker's bound);
+- a claimer keeps up to a lane's worth of jobs claimed ahead (``--ahead``, default the
+  concurrency: a whole wave's replacements), taken in batches by `models.attempt.claim_batch`
+  (two round trips a batch);
+- a recorder stores the checked answers in batches by `models.attempt.record_batch` (one
+  round trip and one commit a batch): whatever has arrived while the last batch was written;
+- each answer is checked as the worker checks it (`worker.runner.checked_answer`).
+
+So an answer's lane sends its next request at once, with a job already claimed, and the
+Postgres round trips are shared by the jobs of a batch. What it leaves out, as
+`bench.job_path` does, and what a worker would add: messages (or another way to hand out
+jobs), slots in Redis (here each lane is one), the retries of a failed attempt (here any
+failure is counted and the process exits non-zero), a stop that gives back the claimed jobs
+not yet sent, and the fault tests of a kill in the middle of a batch. A failed attempt is
+counted and its job given back queued (no attempt spent), not retried.
+
+It is one side of `bench.serving --side loop`, run against bench_serving in alternating
+rounds as the pipeline is. Alone:
+
+    python -m bench.loop_path --database-url URL --server URL --run NAME --concurrency N
+        [--ahead N] [--batch N]
+
+It prints the jobs' outcomes and exits non-zero unless every job ended done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+import psycopg
+from psycopg.rows import namedtuple_row
+
+from bench.job_path import queued_jobs
+from core.sampling import unsendable
+from core.urls import libpq_url
+from models.attempt import claim_batch, record_batch
+from models.db import make_engine
+from models.records import ClaimedJob, GenerationRecord
+from models.repository import Repository
+from worker.retry import AttemptError
+from worker.runner import checked_answer
+
+WORKER = f"loop-path@{socket.gethostname()}"
+LEASE_S = 600  # the worker's default lease: a bench run ends long before it
+HEADER_BYTES = 64 << 10  # status line and headers; asyncio's StreamReader bound
+BODY_BYTES = 64 << 20  # the worker's max_response_bytes
+TIMEOUT_S = 600.0
+
+
+class HttpError(Exception):
+    """An answer this client will not read: not 200, not Content-Length, too large."""
+
+
+@dataclass
+class Lane:
+    """One request in flight at a time on one keep-alive connection."""
+
+    host: str
+    port: int
+    path: str
+    reader: asyncio.StreamReader | None = None
+    writer: asyncio.StreamWriter | None = None
+
+    async def post(self, body: bytes) -> bytes:
+        """POST ``body`` as JSON; the answer's body (HttpError unless 200)."""
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection(
+                self.host, self.port, limit=HEADER_BYTES
+            )
+        assert self.reader is not None
+        head = (
+            f"POST {self.path} HTTP/1.1\r\nHost: {self.host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        raw = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), TIMEOUT_S)
+        status, headers = _head(raw)
+        size = int(headers.get("content-length", "-1"))
+        if not 0 <= size <= BODY_BYTES:
+            raise HttpError(f"status {status}: no Content-Length within {BODY_BYTES} bytes")
+        answer = await asyncio.wait_for(self.reader.readexactly(size), TIMEOUT_S)
+        if headers.get("connection", "").lower() == "close":
+            self.writer.close()
+        if status != 200:
+            raise HttpError(f"HTTP {status}: {answer[:200]!r}")
+        return answer
+
+
+def _head(raw: bytes) -> tuple[int, dict[str, str]]:
+    """The status code and the headers (names in lower case) of a response's head."""
+    lines = raw.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return status, headers
+
+
+@dataclass
+class Loop:
+    """The jobs of one run, their claims ahead, the lanes and the recorder."""
+
+    repo: Repository
+    server_url: str
+    jobs: collections.deque[int]
+    lanes: int
+    ahead: int
+    batch: int
+    ended: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    async def run(self) -> None:
+        """Every job claimed, generated, checked and recorded; the claimer, the lanes and
+        the recorder end in that order."""
+        claimed: asyncio.Queue[ClaimedJob | None] = asyncio.Queue()
+        answered: asyncio.Queue[tuple[ClaimedJob, GenerationRecord] | None] = asyncio.Queue()
+        taken = asyncio.Event()  # a lane took a claimed job: claim more
+        url = urlsplit(self.server_url)
+        path = f"{url.path.rstrip('/')}/generate"
+        lanes = [Lane(url.hostname or "", url.port or 80, path) for _ in range(self.lanes)]
+        async with (
+            await self._connect() as claims_conn,
+            await self._connect() as records_conn,
+        ):
+            recorder = asyncio.create_task(self._recorder(records_conn, answered))
+            driving = [
+                asyncio.create_task(self._lane(lane, claimed, taken, answered)) for lane in lanes
+            ]
+            await self._claimer(claims_conn, claimed, taken)
+            await asyncio.gather(*driving)
+            await answered.put(None)
+            await recorder
+        for lane in lanes:
+            if lane.writer is not None:
+                lane.writer.close()
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        url = self.repo.engine.url.render_as_string(hide_password=False)
+        return await psycopg.AsyncConnection.connect(
+            libpq_url(url), autocommit=True, row_factory=namedtuple_row
+        )
+
+    async def _claimer(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        claimed: asyncio.Queue[ClaimedJob | None],
+        taken: asyncio.Event,
+    ) -> None:
+        """Keep up to ``ahead`` jobs claimed and waiting for a lane, in batches."""
+        while self.jobs:
+            room = min(self.ahead - claimed.qsize(), self.batch, len(self.jobs))
+            if room <= 0:
+                taken.clear()
+                await taken.wait()
+                continue
+            ids = [self.jobs.popleft() for _ in range(room)]
+            for claim in await claim_batch(conn, ids, WORKER, LEASE_S):
+                if claim.job is None:
+                    self.ended[claim.outcome] += 1
+                else:
+                    claimed.put_nowait(claim.job)
+        for _ in range(self.lanes):
+            claimed.put_nowait(None)
+
+    async def _lane(
+        self,
+        lane: Lane,
+        claimed: asyncio.Queue[ClaimedJob | None],
+        taken: asyncio.Event,
+        answered: asyncio.Queue[tuple[ClaimedJob, GenerationRecord] | None],
+    ) -> None:
+        """Send each claimed job this lane takes; its checked answer to the recorder."""
+        while (job := await claimed.get()) is not None:
+            taken.set()
+            refused = unsendable(job.sampling_params)
+            if refused:
+                self.ended[f"unsendable {refused}"] += 1
+                continue
+            payload = {"input_ids": job.input_ids, "sampling_params": job.sampling_params}
+            try:
+                body = await lane.post(orjson.dumps({**payload, "rid": str(job.id)}))
+                record = checked_answer(orjson.loads(body), job, "sim")
+            except (
+                OSError,
+                ValueError,
+                asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError,
+                HttpError,
+                AttemptError,
+            ) as exc:
+                self.ended[f"failed: {type(exc).__name__}"] += 1
+                if lane.writer is not None:
+                    lane.writer.close()
+                why = f"loop path: {type(exc).__name__}: {exc}"
+                await asyncio.to_thread(self.repo.release, job.id, WORKER, why, refund=True)
+                continue
+            answered.put_nowait((job, record))
+
+    async def _recorder(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        answered: asyncio.Queue[tuple[ClaimedJob, GenerationRecord] | None],
+    ) -> None:
+        """Store whatever answers arrived while the last batch was written, as one batch."""
+        ending = False
+        while not ending:
+            first = await answered.get()
+            batch = [] if first is None else [first]
+            ending = first is None
+            while not ending and len(batch) < self.batch and not answered.empty():
+                more = answered.get_nowait()
+                ending = more is None
+                batch += [] if more is None else [more]
+            if batch:
+                for stored in await record_batch(conn, WORKER, batch):
+                    self.ended["done" if stored else "lost"] += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the queued jobs of one run; 0 when each ended done."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--database-url", required=True)
+    parser.add_argument("--server", required=True, help="the simulator's URL")
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--concurrency", type=int, required=True, help="lanes")
+    parser.add_argument("--ahead", type=int, help="jobs claimed ahead (default: the lanes)")
+    parser.add_argument("--batch", type=int, default=64, help="most jobs a claim or record")
+    args = parser.parse_args(argv)
+    engine = make_engine(args.database_url, pool_size=1)
+    try:
+        jobs = queued_jobs(engine, args.run)
+        loop = Loop(
+            Repository(engine),
+            args.server,
+            collections.deque(jobs),
+            lanes=args.concurrency,
+            ahead=args.ahead or args.concurrency,
+            batch=args.batch,
+        )
+        asyncio.run(loop.run())
+    finally:
+        engine.dispose()
+    print(f"{len(jobs)} jobs: {dict(loop.ended)}", flush=True)
+    return 0 if loop.ended["done"] == len(jobs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
