@@ -11,24 +11,30 @@ other design before anyone builds it into the worker:
   ``/generate`` with a Content-Length body, read up to the worker's bound);
 - a claimer keeps up to a lane's worth of jobs claimed ahead (``--ahead``, default the
   concurrency: a whole wave's replacements), taken in batches by `models.attempt.claim_batch`
-  (two round trips a batch);
+  (two round trips a batch). With ``--broker-url``, their ids come as a worker's do: from
+  the queue's messages, which the feeder (`worker.feeder`, in a thread of this process, its
+  window as a worker's heartbeat would make it, or ``--window``) tops up from Postgres; the
+  claimer pops up to a batch of them at once (one RPOP, each message taken at most once: one
+  never claimed, the process having died, is published again by the reconciler, as a dead
+  worker's prefetched messages are). Without it, from a list in memory;
 - a recorder stores the checked answers in batches by `models.attempt.record_batch` (one
   round trip and one commit a batch): whatever has arrived while the last batch was written;
 - each answer is checked as the worker checks it (`worker.runner.checked_answer`).
 
 So an answer's lane sends its next request at once, with a job already claimed, and the
 Postgres round trips are shared by the jobs of a batch. What it leaves out, as
-`bench.job_path` does, and what a worker would add: messages (or another way to hand out
-jobs), slots in Redis (here each lane is one), the retries of a failed attempt (here any
-failure is counted and the process exits non-zero), a stop that gives back the claimed jobs
-not yet sent, and the fault tests of a kill in the middle of a batch. A failed attempt is
-counted and its job given back queued (no attempt spent), not retried.
+`bench.job_path` does, and what a worker would add: messages held for a later time (the ETA
+of a job sent back), slots in Redis (here each lane is one), the retries of a failed attempt
+(here a failure is counted, its job given back queued with no attempt spent, and the process
+exits non-zero), a stop that gives back the jobs claimed and not yet sent, the worker's side
+loops (heartbeat, controller, health checks, reconciler), and the fault tests of a kill in
+the middle of a batch.
 
 It is one side of `bench.serving --side loop`, run against bench_serving in alternating
 rounds as the pipeline is. Alone:
 
     python -m bench.loop_path --database-url URL --server URL --run NAME --concurrency N
-        [--ahead N] [--batch N]
+        [--ahead N] [--batch N] [--broker-url URL --queue NAME [--window N]]
 
 It prints the jobs' outcomes and exits non-zero unless every job ended done.
 """
@@ -40,21 +46,27 @@ import asyncio
 import collections
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import orjson
 import psycopg
+import redis
+import redis.asyncio as aioredis
 from psycopg.rows import namedtuple_row
 
 from bench.job_path import queued_jobs
+from core import wire
+from core.broker import Publisher
 from core.sampling import unsendable
 from core.urls import libpq_url
 from models.attempt import claim_batch, record_batch
 from models.db import make_engine
 from models.records import ClaimedJob, GenerationRecord
 from models.repository import Repository
+from worker.feeder import WINDOW_FACTOR, Feeder
 from worker.retry import AttemptError
 from worker.runner import checked_answer
 
@@ -63,6 +75,9 @@ LEASE_S = 600  # the worker's default lease: a bench run ends long before it
 HEADER_BYTES = 64 << 10  # status line and headers; asyncio's StreamReader bound
 BODY_BYTES = 64 << 20  # the worker's max_response_bytes
 TIMEOUT_S = 600.0
+QUEUE = "bench-loop-path"
+QUEUE_POLL_S = 0.005  # an empty queue is asked again this soon: the feeder tops it up
+FEED_INTERVAL_S = 1.0  # the worker's default feed_interval_s
 
 
 class HttpError(Exception):
@@ -116,13 +131,76 @@ def _head(raw: bytes) -> tuple[int, dict[str, str]]:
     return status, headers
 
 
+class Source(Protocol):
+    """Where the claimer finds the ids of the jobs to claim."""
+
+    async def take(self, most: int) -> list[int]:
+        """Up to ``most`` ids (none for now: soon again)."""
+
+    def exhausted(self, ended: collections.Counter[str]) -> bool:
+        """No more to take, given how the jobs ended so far."""
+
+
+@dataclass
+class InMemory:
+    """The run's queued jobs, read once, in publishing order."""
+
+    jobs: collections.deque[int]
+
+    async def take(self, most: int) -> list[int]:
+        return [self.jobs.popleft() for _ in range(min(most, len(self.jobs)))]
+
+    def exhausted(self, ended: collections.Counter[str]) -> bool:
+        return not self.jobs
+
+
+@dataclass
+class FromQueue:
+    """The queue's messages, as the feeder publishes them, until ``expected`` jobs are
+    done (or one failed: a strict bench, where a job sent back would be published again)."""
+
+    client: aioredis.Redis
+    queue: str
+    expected: int
+
+    async def take(self, most: int) -> list[int]:
+        # The oldest first, as workers take them (the publisher pushes on the left).
+        raw = await self.client.rpop(self.queue, most)
+        if not raw:
+            await asyncio.sleep(QUEUE_POLL_S)
+            return []
+        assert isinstance(raw, list), "RPOP with a count answers a list"
+        return [job for message in raw if (job := wire.job_id_of(message)) is not None]
+
+    def exhausted(self, ended: collections.Counter[str]) -> bool:
+        failed = any(outcome.startswith("failed") for outcome in ended)
+        return failed or ended["done"] >= self.expected
+
+
+def feeding(repo: Repository, broker_url: str, queue: str, window: int) -> threading.Event:
+    """Run the feeder over ``queue`` in a thread until the event returned is set."""
+    stop = threading.Event()
+
+    def feed() -> None:
+        client = redis.Redis.from_url(broker_url)
+        try:
+            feeder = Feeder(repo, client, Publisher(client, queue), window=window)
+            while not stop.is_set():
+                stop.wait(feeder.feed().next_pass_s(FEED_INTERVAL_S))
+        finally:
+            client.close()
+
+    threading.Thread(target=feed, name="feeder", daemon=True).start()
+    return stop
+
+
 @dataclass
 class Loop:
     """The jobs of one run, their claims ahead, the lanes and the recorder."""
 
     repo: Repository
     server_url: str
-    jobs: collections.deque[int]
+    source: Source
     lanes: int
     ahead: int
     batch: int
@@ -166,13 +244,13 @@ class Loop:
         taken: asyncio.Event,
     ) -> None:
         """Keep up to ``ahead`` jobs claimed and waiting for a lane, in batches."""
-        while self.jobs:
-            room = min(self.ahead - claimed.qsize(), self.batch, len(self.jobs))
+        while not self.source.exhausted(self.ended):
+            room = min(self.ahead - claimed.qsize(), self.batch)
             if room <= 0:
                 taken.clear()
                 await taken.wait()
                 continue
-            ids = [self.jobs.popleft() for _ in range(room)]
+            ids = await self.source.take(room)
             for claim in await claim_batch(conn, ids, WORKER, LEASE_S):
                 if claim.job is None:
                     self.ended[claim.outcome] += 1
@@ -195,7 +273,10 @@ class Loop:
             if refused:
                 self.ended[f"unsendable {refused}"] += 1
                 continue
-            payload = {"input_ids": job.input_ids, "sampling_params": job.sampling_params}
+            payload = {
+                "input_ids": job.input_ids,
+                "sampling_params": job.sampling_params,
+            }
             try:
                 body = await lane.post(orjson.dumps({**payload, "rid": str(job.id)}))
                 record = checked_answer(orjson.loads(body), job, "sim")
@@ -235,6 +316,36 @@ class Loop:
                     self.ended["done" if stored else "lost"] += 1
 
 
+async def drive(
+    repo: Repository, args: argparse.Namespace, jobs: list[int]
+) -> collections.Counter[str]:
+    """Run ``jobs`` from a list, or from the queue's messages with a feeder; how they ended."""
+    source: Source = InMemory(collections.deque(jobs))
+    stop: threading.Event | None = None
+    client: aioredis.Redis | None = None
+    if args.broker_url is not None:
+        window = args.window or WINDOW_FACTOR * args.concurrency
+        stop = feeding(repo, args.broker_url, args.queue, window)
+        client = aioredis.Redis.from_url(args.broker_url)
+        source = FromQueue(client, args.queue, len(jobs))
+    loop = Loop(
+        repo,
+        args.server,
+        source,
+        lanes=args.concurrency,
+        ahead=args.ahead or args.concurrency,
+        batch=args.batch,
+    )
+    try:
+        await loop.run()
+    finally:
+        if stop is not None:
+            stop.set()
+        if client is not None:
+            await client.aclose()
+    return loop.ended
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the queued jobs of one run; 0 when each ended done."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
@@ -244,23 +355,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, required=True, help="lanes")
     parser.add_argument("--ahead", type=int, help="jobs claimed ahead (default: the lanes)")
     parser.add_argument("--batch", type=int, default=64, help="most jobs a claim or record")
+    parser.add_argument("--broker-url", help="take the jobs from the queue's messages")
+    parser.add_argument("--queue", default=QUEUE, help="the queue (with --broker-url)")
+    parser.add_argument("--window", type=int, help="the feeder's window (default: twice the lanes)")
     args = parser.parse_args(argv)
-    engine = make_engine(args.database_url, pool_size=1)
+    engine = make_engine(args.database_url, pool_size=2)
     try:
+        repo = Repository(engine)
         jobs = queued_jobs(engine, args.run)
-        loop = Loop(
-            Repository(engine),
-            args.server,
-            collections.deque(jobs),
-            lanes=args.concurrency,
-            ahead=args.ahead or args.concurrency,
-            batch=args.batch,
-        )
-        asyncio.run(loop.run())
+        ended = asyncio.run(drive(repo, args, jobs))
     finally:
         engine.dispose()
-    print(f"{len(jobs)} jobs: {dict(loop.ended)}", flush=True)
-    return 0 if loop.ended["done"] == len(jobs) else 1
+    print(f"{len(jobs)} jobs: {dict(ended)}", flush=True)
+    return 0 if ended["done"] == len(jobs) else 1
 
 
 if __name__ == "__main__":

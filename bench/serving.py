@@ -50,8 +50,9 @@ threads as the limit, with no Celery, broker or feeder around it; `--side claim-
 with twice the threads, each claiming its job before its slot. Both are upper bounds of what
 another consumer, or another order of the same work, could reach (issue 32), measured the
 same way as the pipeline. `--side loop` runs `bench.loop_path`: the same work driven from one
-event loop, its claims and records in batches (the batched worker of docs/design.md §7,
-measured before it is built).
+event loop, its claims and records in batches, its jobs from the queue's messages as a
+feeder of its own publishes them (the batched worker of docs/design.md §7, measured before
+it is built); `--side loop-list`, from a list in memory.
 
 What is changed in bench_serving, at run time only, by a driver script written to a temp
 directory (nothing is installed into or edited in the sglang package):
@@ -86,7 +87,8 @@ other requirements, torch among them, are missing are expected):
 Run:
     .venv/bin/python -m bench.serving [--requests 2000] [--concurrency 64,256]
         [--modes plain,stream] [--rounds 3] [--max-new-tokens 192] [--incremental]
-        [--workers 1] [--side pipeline|job-path|claim-ahead|loop]
+        [--workers 1] [--side pipeline|job-path|claim-ahead|loop|loop-list]
+        [--feed-window N]
         [--preset kimi-k2 --time-scale 0.2 | --decode-step-ms 0 --decode-ms-per-request 0]
 The simulator is a big KV pool with the decode timing given (default 10 ms a step + 0.05 ms
 a running request; 0 and 0 for a server that costs nothing, where the clients' own costs are
@@ -491,19 +493,23 @@ def pipeline_round(bench: Bench, name: str) -> tuple[int, int, float]:
 
 
 def job_path_round(bench: Bench, mode: Mode, name: str) -> tuple[int, int, float]:
-    """The job's own path without Celery (`bench.job_path`, a process of its own, run to
-    its end) over the prompts enqueued as a new run; the same figures as a pipeline round."""
+    """The job's own path without Celery (`bench.job_path`, or `bench.loop_path` for the
+    loop sides: a process of its own, run to its end) over the prompts enqueued as a new
+    run; the same figures as a pipeline round."""
     enqueue_sampled(bench.settings, bench.chat_rows, name, bench.sampling)
     database, broker = bench.settings.database_url, bench.settings.broker_url
     assert database is not None and broker is not None
     side = bench.args.side
     command = [
-        *(sys.executable, "-m", "bench.loop_path" if side == "loop" else "bench.job_path"),
+        *(sys.executable, "-m", "bench.loop_path" if "loop" in side else "bench.job_path"),
         *("--run", name, "--database-url", database),
         *("--server", bench.sim_url, "--concurrency", str(mode.concurrency)),
         *(("--claim-ahead",) if side == "claim-ahead" else ()),
-        *(() if side == "loop" else ("--broker-url", broker)),
+        *(() if side == "loop-list" else ("--broker-url", broker)),
     ]
+    if side == "loop":  # from the queue's messages, which its feeder publishes
+        command += ["--queue", bench.settings.queue]
+        command += ["--window", str(bench.args.feed_window)] if bench.args.feed_window else []
     with (bench.logs / f"{name}.log").open("wb") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
     return generated(bench, name)
@@ -724,12 +730,18 @@ def main() -> None:
     )
     parser.add_argument(
         "--side",
-        choices=["pipeline", "job-path", "claim-ahead", "loop"],
+        choices=["pipeline", "job-path", "claim-ahead", "loop", "loop-list"],
         default="pipeline",
         help="what runs against bench_serving: the pipeline (Celery workers), or only the "
         "job's own path in threads with no Celery (bench.job_path: an upper bound), or that "
         "path claiming each job before its slot (bench.job_path --claim-ahead), or the "
-        "same work from one event loop with batched claims and records (bench.loop_path)",
+        "same work from one event loop with batched claims and records (bench.loop_path), "
+        "its jobs from the queue's messages (loop) or from a list (loop-list)",
+    )
+    parser.add_argument(
+        "--feed-window",
+        type=int,
+        help="with --side loop: the feeder's window (default: as a worker's heartbeat makes it)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument(

@@ -1,13 +1,15 @@
 """bench.loop_path, the job's path from one event loop with batched claims and records (the
 measure of docs/design.md §7's batched worker), against real Postgres and the simulator: it
 stores exactly what the worker's own path stores for the same prompts, each job once, and a
-failed attempt gives its job back."""
+failed attempt gives its job back. With a broker, its jobs come from the queue's messages,
+published by a feeder of its own, as a worker's do."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import redis
 from sqlalchemy import text
 
 from bench.common import write_short_prompts
@@ -26,6 +28,12 @@ FROM jobs JOIN datasets ON datasets.id = jobs.dataset_id JOIN runs ON runs.id = 
 LEFT JOIN generations ON generations.job_id = jobs.id WHERE runs.name = :run
 """
 
+PUBLISHED = """
+SELECT runs.name, count(jobs.published_at) FROM jobs
+JOIN datasets ON datasets.id = jobs.dataset_id JOIN runs ON runs.id = datasets.run_id
+GROUP BY runs.name
+"""
+
 
 def outputs(repo: Repository, run: str) -> list[tuple[bytes, bytes | None, int, str]]:
     with repo.engine.connect() as conn:
@@ -33,8 +41,13 @@ def outputs(repo: Repository, run: str) -> list[tuple[bytes, bytes | None, int, 
     return sorted((bytes(i), None if o is None else bytes(o), a, s) for i, o, a, s in rows)
 
 
+@pytest.mark.parametrize("source", ["list", "queue"])
 def test_it_stores_what_the_worker_path_stores(
-    settings: Settings, repo: Repository, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    settings: Settings,
+    repo: Repository,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    source: str,
 ) -> None:
     prompts = write_short_prompts(tmp_path / "p.jsonl", JOBS)
     for run in ("threads", "loop"):
@@ -51,6 +64,9 @@ def test_it_stores_what_the_worker_path_stores(
     assert isinstance(server, ServerSpec) and settings.database_url is not None
     # Batches smaller than the lanes and the jobs claimed ahead: several of each a round.
     args = ["--database-url", settings.database_url, "--server", server.url, "--run", "loop"]
+    if source == "queue":  # the feeder publishes every queued job: the other run's are done
+        assert settings.broker_url is not None
+        args += ["--broker-url", settings.broker_url, "--queue", settings.queue]
     assert main([*args, "--concurrency", "8", "--batch", "5"]) == 0
     assert f"{JOBS} jobs: {{'done': {JOBS}}}" in capsys.readouterr().out
     threads, loop = outputs(repo, "threads"), outputs(repo, "loop")
@@ -58,6 +74,13 @@ def test_it_stores_what_the_worker_path_stores(
     assert loop == threads  # the same prompts, outputs, one attempt each, done
     assert {(a, s) for _, _, a, s in loop} == {(1, "done")}
     assert repo.audit(lease_grace_s=60) == []
+    with repo.engine.connect() as conn:
+        published = dict(conn.execute(text(PUBLISHED)).all())
+    if source == "queue":  # the loop's jobs came by message, every message was taken
+        assert published == {"loop": JOBS, "threads": 0}
+        assert redis.Redis.from_url(settings.broker_url).llen(settings.queue) == 0
+    else:
+        assert published == {"loop": 0, "threads": 0}
 
 
 def test_a_failed_attempt_gives_its_job_back(
