@@ -9,8 +9,8 @@ other design before anyone builds it into the worker:
 - one asyncio loop drives every request, each of ``--concurrency`` lanes on a keep-alive
   connection of its own (a minimal HTTP/1.1 client on asyncio streams: SGLang answers
   ``/generate`` with a Content-Length body, read up to the worker's bound);
-- a claimer keeps up to a lane's worth of jobs claimed ahead (``--ahead``, default the
-  concurrency: a whole wave's replacements), taken in batches by `models.attempt.claim_batch`
+- a claimer keeps up to ``--ahead`` jobs claimed ahead (default one a lane: a whole wave's
+  replacements), taken in batches by `models.attempt.claim_batch`
   (two round trips a batch). With ``--broker-url``, their ids come as a worker's do: from
   the queue's messages, which the feeder (`worker.feeder`, in a thread of this process, its
   window as a worker's heartbeat would make it, or ``--window``) tops up from Postgres; the
@@ -41,6 +41,7 @@ It prints the jobs' outcomes and exits non-zero unless every job ended done.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import asyncio
 import collections
@@ -61,6 +62,7 @@ from bench.job_path import queued_jobs
 from core import wire
 from core.broker import Publisher
 from core.sampling import unsendable
+from core.settings import Settings
 from core.urls import libpq_url
 from models.attempt import claim_batch, record_batch
 from models.db import make_engine
@@ -71,13 +73,16 @@ from worker.retry import AttemptError
 from worker.runner import checked_answer
 
 WORKER = f"loop-path@{socket.gethostname()}"
-LEASE_S = 600  # the worker's default lease: a bench run ends long before it
+# The worker's defaults: its lease, its bound on an answer and how long it waits for one,
+# its feeder's interval.
+_DEFAULTS = Settings.model_fields
+LEASE_S: int = _DEFAULTS["lease_seconds"].default
+BODY_BYTES: int = _DEFAULTS["max_response_bytes"].default
+TIMEOUT_S: float = _DEFAULTS["request_timeout_s"].default
+FEED_INTERVAL_S: float = _DEFAULTS["feed_interval_s"].default
 HEADER_BYTES = 64 << 10  # status line and headers; asyncio's StreamReader bound
-BODY_BYTES = 64 << 20  # the worker's max_response_bytes
-TIMEOUT_S = 600.0
 QUEUE = "bench-loop-path"
 QUEUE_POLL_S = 0.005  # an empty queue is asked again this soon: the feeder tops it up
-FEED_INTERVAL_S = 1.0  # the worker's default feed_interval_s
 
 
 class HttpError(Exception):
@@ -187,6 +192,9 @@ def feeding(repo: Repository, broker_url: str, queue: str, window: int) -> threa
             feeder = Feeder(repo, client, Publisher(client, queue), window=window)
             while not stop.is_set():
                 stop.wait(feeder.feed().next_pass_s(FEED_INTERVAL_S))
+        except BaseException:
+            _thread.interrupt_main()  # else the loop waits for messages for ever
+            raise
         finally:
             client.close()
 

@@ -301,9 +301,15 @@ def _generation_params(gen: GenerationRecord) -> dict[str, Any]:
 # A pipeline's statements run as one implicit transaction (up to its Sync), each seeing the
 # ones before it as the single statements see each other one after the other: the ledger
 # rule holds job by job. Their locks last until the batch ends (on the server, with no
-# round trip inside), taken in one order: the jobs' rows by dataset then id, each dataset's
-# row after its first job's, as a single statement takes them. An error aborts the whole
-# batch; its jobs are then tried one at a time, so one bad row costs only itself.
+# round trip inside), so they are taken in the single statements' order, the job's row
+# before its dataset's: the batch's first statement locks all its jobs' rows (by id), and
+# only then do its statements lock their datasets' rows (by dataset id). Taken job by job
+# (a job, its dataset, the next job), a batch holding a dataset's row would wait for a job
+# that a single claim of it (a duplicate message) holds while waiting for that dataset's
+# row: a deadlock, which Postgres breaks by failing one side after a second. An error
+# aborts the whole batch; its jobs are then tried one at a time, so one bad row costs only
+# itself.
+_LOCK_JOBS = "SELECT id FROM jobs WHERE id = ANY(%(jobs)s) ORDER BY id FOR UPDATE"
 
 
 async def claim_batch(
@@ -375,10 +381,11 @@ def _record_params(job_id: int, gen: GenerationRecord, worker: str) -> dict[str,
 async def _pipelined(
     conn: AsyncConnection[Any], sql: str, params: list[dict[str, Any]]
 ) -> list[Any]:
-    """Run ``sql`` once per params in one pipeline (one transaction); each one's first row
-    (None for none)."""
+    """Run ``sql`` once per params (each naming its job) in one pipeline, one transaction,
+    after locking the jobs' rows; each one's first row (None for none)."""
     cursors = []
     async with conn.pipeline():
+        await conn.execute(_LOCK_JOBS, {"jobs": [each["job"] for each in params]})
         for each in params:
             cursor = conn.cursor()
             await cursor.execute(sql, each)

@@ -9,6 +9,7 @@ import asyncio
 import random
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -23,6 +24,8 @@ from models.records import ClaimedJob
 from models.repository import Repository
 from tests.helpers import InspectRepository
 from tests.integration.test_ledger import answer_length, dataset, gen, ledger
+
+DEADLOCKS = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
 
 
 @pytest.fixture
@@ -151,15 +154,17 @@ def test_batches_racing_each_other_and_single_claims_on_a_small_budget(
     async def batches() -> None:
         await asyncio.gather(*(batcher(f"b{i}") for i in range(batchers)))
 
-    threads = [threading.Thread(target=single, args=(f"s{i}",)) for i in range(singles)]
-    threads.append(threading.Thread(target=asyncio.run, args=(batches(),)))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(singles + 1) as pool:
+        running = [pool.submit(single, f"s{i}") for i in range(singles)]
+        running.append(pool.submit(asyncio.run, batches()))
+        for each in running:
+            each.result()  # a claim or record that failed (a deadlock, say) fails the test
     used, reserved = ledger(repo, dataset_id)
     assert used == sum(recorded) and reserved == 0
     assert repo.generation_count() == len(recorded)
     assert repo.audit(lease_grace_s=0) == []
+    with repo.engine.connect() as conn:
+        deadlocks = conn.execute(text(DEADLOCKS)).scalar_one()
+    assert deadlocks == 0  # the batches lock in the single statements' order
     # Worst-case reservations: only a job claimed with nothing held may go past the budget.
     assert budget <= used < budget + max_new
