@@ -317,7 +317,8 @@ async def claim_batch(
 ) -> list[Claim]:
     """`claim` for each of ``job_ids`` (in that order) on ``conn`` (autocommit, rows as
     named tuples), in two round trips: the jobs' facts in one statement, the takes in one
-    pipeline. A job that did not fit is deferred or skipped as `claim` does, alone."""
+    pipeline. A job that did not fit is deferred or skipped as `claim` does, alone; an id
+    asked again is not_queued, as a second claim of a job is."""
     found = await conn.execute(_FACTS_OF + "jobs.id = ANY(%(jobs)s)", {"jobs": list(job_ids)})
     facts = sorted(await found.fetchall(), key=lambda f: (f.dataset_id, f.id))
     params = [_params(f) for f in facts]
@@ -341,7 +342,8 @@ async def claim_batch(
         else:
             skipped = await (await conn.execute(_SKIP_IF_SPENT, {"job": fact.id})).fetchone()
             claims[fact.id] = Claim("skipped" if skipped else "deferred")
-    return [claims.get(j, Claim("not_queued")) for j in job_ids]
+    # An id asked twice (two messages of one job in a batch) is won once.
+    return [claims.pop(j, Claim("not_queued")) for j in job_ids]
 
 
 async def record_batch(

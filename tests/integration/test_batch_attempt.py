@@ -84,11 +84,12 @@ def test_answers_come_back_in_the_order_asked_across_datasets(
     _, a = dataset(repo, 3, budget=None, name="a")
     _, b = dataset(repo, 3, budget=None, name="b")
     assert repo.claim(a[1], "other", 60).job is not None  # taken by another worker
-    asked = [b[2], a[0], a[1], b[0], 10**9, a[2], b[1]]
+    # One not queued, one not a job, one asked twice (two messages of it in one batch).
+    asked = [b[2], a[0], a[1], b[0], 10**9, a[2], b[1], a[0]]
     got = claims(database_url, asked)
-    taken, absent = got[2], got[4]
-    assert (taken.outcome, absent.outcome) == ("not_queued", "not_queued")
-    assert all(c.outcome == "claimed" for c in got[:2] + got[3:4] + got[5:])
+    taken, absent, again = got[2], got[4], got[7]
+    assert (taken.outcome, absent.outcome, again.outcome) == ("not_queued",) * 3
+    assert all(c.outcome == "claimed" for c in got[:2] + got[3:4] + got[5:7])
     assert [c.job.id for c in got if c.job is not None] == [b[2], a[0], b[0], a[2], b[1]]
     assert {c.job.dataset for c in got if c.job is not None} == {"a", "b"}
     with repo.engine.connect() as conn:
