@@ -88,7 +88,7 @@ Run:
     .venv/bin/python -m bench.serving [--requests 2000] [--concurrency 64,256]
         [--modes plain,stream] [--rounds 3] [--max-new-tokens 192] [--incremental]
         [--workers 1] [--side pipeline|job-path|claim-ahead|loop|loop-list]
-        [--feed-window N]
+        [--feed-window N] [--loop-ahead N]
         [--preset kimi-k2 --time-scale 0.2 | --decode-step-ms 0 --decode-ms-per-request 0]
 The simulator is a big KV pool with the decode timing given (default 10 ms a step + 0.05 ms
 a running request; 0 and 0 for a server that costs nothing, where the clients' own costs are
@@ -507,6 +507,8 @@ def job_path_round(bench: Bench, mode: Mode, name: str) -> tuple[int, int, float
         *(("--claim-ahead",) if side == "claim-ahead" else ()),
         *(() if side == "loop-list" else ("--broker-url", broker)),
     ]
+    if "loop" in side and bench.args.loop_ahead:
+        command += ["--ahead", str(bench.args.loop_ahead)]
     if side == "loop":  # from the queue's messages, which its feeder publishes
         command += ["--queue", bench.settings.queue]
         command += ["--window", str(bench.args.feed_window)] if bench.args.feed_window else []
@@ -742,6 +744,11 @@ def main() -> None:
         "--feed-window",
         type=int,
         help="with --side loop: the feeder's window (default: as a worker's heartbeat makes it)",
+    )
+    parser.add_argument(
+        "--loop-ahead",
+        type=int,
+        help="with --side loop or loop-list: the jobs claimed ahead (default: one a lane)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument(
