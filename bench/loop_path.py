@@ -48,6 +48,7 @@ import collections
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -182,8 +183,10 @@ class FromQueue:
         return failed or ended["done"] >= self.expected
 
 
-def feeding(repo: Repository, broker_url: str, queue: str, window: int) -> threading.Event:
-    """Run the feeder over ``queue`` in a thread until the event returned is set."""
+def feeding(repo: Repository, broker_url: str, queue: str, window: int) -> Callable[[], None]:
+    """Run the feeder over ``queue`` in a thread; the function returned stops it and waits
+    for its pass to end (so that its database connection is back in the pool before the
+    engine is disposed of)."""
     stop = threading.Event()
 
     def feed() -> None:
@@ -198,8 +201,14 @@ def feeding(repo: Repository, broker_url: str, queue: str, window: int) -> threa
         finally:
             client.close()
 
-    threading.Thread(target=feed, name="feeder", daemon=True).start()
-    return stop
+    thread = threading.Thread(target=feed, name="feeder", daemon=True)
+    thread.start()
+
+    def stopped() -> None:
+        stop.set()
+        thread.join()
+
+    return stopped
 
 
 @dataclass
@@ -329,7 +338,7 @@ async def drive(
 ) -> collections.Counter[str]:
     """Run ``jobs`` from a list, or from the queue's messages with a feeder; how they ended."""
     source: Source = InMemory(collections.deque(jobs))
-    stop: threading.Event | None = None
+    stop: Callable[[], None] | None = None
     client: aioredis.Redis | None = None
     if args.broker_url is not None:
         window = args.window or WINDOW_FACTOR * args.concurrency
@@ -348,7 +357,7 @@ async def drive(
         await loop.run()
     finally:
         if stop is not None:
-            stop.set()
+            stop()
         if client is not None:
             await client.aclose()
     return loop.ended
