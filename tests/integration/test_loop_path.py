@@ -6,6 +6,7 @@ published by a feeder of its own, as a worker's do."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,9 @@ def test_it_stores_what_the_worker_path_stores(
         assert settings.broker_url is not None
         args += ["--broker-url", settings.broker_url, "--queue", settings.queue]
     assert main([*args, "--concurrency", "8", "--batch", "5"]) == 0
+    # Its feeder's pass ended before the engine went (else it returns a connection to a
+    # disposed pool, which leaves it open to the garbage collector).
+    assert not [t for t in threading.enumerate() if t.name == "feeder"]
     assert f"{JOBS} jobs: {{'done': {JOBS}}}" in capsys.readouterr().out
     threads, loop = outputs(repo, "threads"), outputs(repo, "loop")
     assert len(loop) == JOBS and all(o is not None for _, o, _, _ in loop)
@@ -75,10 +79,10 @@ def test_it_stores_what_the_worker_path_stores(
     assert {(a, s) for _, _, a, s in loop} == {(1, "done")}
     assert repo.audit(lease_grace_s=60) == []
     with repo.engine.connect() as conn:
-        published = dict(conn.execute(text(PUBLISHED)).all())
+        published: dict[str, int] = dict(conn.execute(text(PUBLISHED)).tuples().all())
     if source == "queue":  # the loop's jobs came by message, every message was taken
         assert published == {"loop": JOBS, "threads": 0}
-        assert redis.Redis.from_url(settings.broker_url).llen(settings.queue) == 0
+        assert redis.Redis.from_url(str(settings.broker_url)).llen(settings.queue) == 0
     else:
         assert published == {"loop": 0, "threads": 0}
 
