@@ -79,7 +79,7 @@ def test_it_stores_what_the_worker_path_stores(
     assert {(a, s) for _, _, a, s in loop} == {(1, "done")}
     assert repo.audit(lease_grace_s=60) == []
     with repo.engine.connect() as conn:
-        published: dict[str, int] = dict(conn.execute(text(PUBLISHED)).tuples().all())
+        published = {run: count for run, count in conn.execute(text(PUBLISHED))}
     if source == "queue":  # the loop's jobs came by message, every message was taken
         assert published == {"loop": JOBS, "threads": 0}
         assert redis.Redis.from_url(str(settings.broker_url)).llen(settings.queue) == 0
