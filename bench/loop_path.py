@@ -62,7 +62,6 @@ from psycopg.rows import namedtuple_row
 from bench.job_path import queued_jobs
 from core import wire
 from core.broker import Publisher
-from core.sampling import unsendable
 from core.settings import Settings
 from core.urls import libpq_url
 from models.attempt import claim_batch, record_batch
@@ -72,6 +71,7 @@ from models.repository import Repository
 from worker.feeder import WINDOW_FACTOR, Feeder
 from worker.retry import AttemptError
 from worker.runner import checked_answer
+from worker.sglang import generate_payload
 
 WORKER = f"loop-path@{socket.gethostname()}"
 # The worker's defaults: its lease, its bound on an answer and how long it waits for one,
@@ -286,16 +286,9 @@ class Loop:
         """Send each claimed job this lane takes; its checked answer to the recorder."""
         while (job := await claimed.get()) is not None:
             taken.set()
-            refused = unsendable(job.sampling_params)
-            if refused:
-                self.ended[f"unsendable {refused}"] += 1
-                continue
-            payload = {
-                "input_ids": job.input_ids,
-                "sampling_params": job.sampling_params,
-            }
             try:
-                body = await lane.post(orjson.dumps({**payload, "rid": str(job.id)}))
+                payload = generate_payload(job.input_ids, job.sampling_params, str(job.id))
+                body = await lane.post(orjson.dumps(payload))
                 record = checked_answer(orjson.loads(body), job, "sim")
             except (
                 OSError,

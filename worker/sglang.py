@@ -87,18 +87,7 @@ class SGLangClient:
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str) -> Any:
         """POST /generate; raise AttemptError (retryable or not) on any failure."""
-        refused = sampling.unsendable(sampling_params)
-        if refused:
-            raise AttemptError(
-                f"sampling params SGLang must not get: {refused}",
-                retryable=False,
-                kind=ErrorKind.INVALID_REQUEST,
-            )
-        payload: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": sampling_params,
-            "rid": rid,
-        }
+        payload = generate_payload(input_ids, sampling_params, rid)
         streamed = self._stream
         if streamed:
             payload["stream"] = True
@@ -243,6 +232,21 @@ class SGLangClient:
         for connection in connections:
             connection.close()
         self._probe.close()
+
+
+def generate_payload(
+    input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str
+) -> dict[str, Any]:
+    """The body of a raw ``/generate`` request (not streamed); AttemptError, not retryable,
+    for stored params SGLang must not get (a database edited by hand)."""
+    refused = sampling.unsendable(sampling_params)
+    if refused:
+        raise AttemptError(
+            f"sampling params SGLang must not get: {refused}",
+            retryable=False,
+            kind=ErrorKind.INVALID_REQUEST,
+        )
+    return {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
 
 
 def _error_message(raw: bytes) -> str:
