@@ -12,7 +12,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -99,6 +99,11 @@ class Settings(BaseModel):
     # (workers x this must stay below the server's max_connections; docs/reference/worker.md,
     # "Many workers").
     db_pool_size: int = Field(default=8, ge=1, le=256)
+    # How a worker process runs its requests: "celery", a task per message on Celery's
+    # threads pool (Flower shows each); "loop", every request on one asyncio event loop,
+    # messages taken and jobs claimed and recorded in batches (worker.loop; a third of the
+    # CPU a job, no per-task events in Flower). docs/reference/worker.md, "Engines".
+    worker_engine: Literal["celery", "loop"] = "celery"
     max_attempts: int = Field(default=5, ge=1)
     request_timeout_s: float = Field(default=3600.0, gt=0)
     # Longest a request may go without progress once the server answered (see

@@ -23,6 +23,7 @@ import json
 import re
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -229,13 +230,37 @@ class EnvelopeFactory:
 
 def job_id_of(raw: bytes | str) -> int | None:
     """The job id inside one envelope read back from the queue list, None if it is not ours."""
+    message = read(raw)
+    return None if message is None else message.job_id
+
+
+@dataclass(frozen=True)
+class Message:
+    """What a worker that reads the queue list itself (worker.loop) needs of a message."""
+
+    job_id: int
+    eta: float | None  # POSIX time before which it is not to run (Celery's ``eta``)
+    retries: int  # times the job was sent back (the task's ``request.retries``)
+    argsrepr: str  # its label, ``label``
+
+
+def read(raw: bytes | str) -> Message | None:
+    """One envelope read back from the queue list; None if it is not ours (or is not an
+    envelope at all)."""
     try:
         message = json.loads(raw)
-        if message["headers"]["task"] != TASK_GENERATE:
+        headers = message["headers"]
+        if headers["task"] != TASK_GENERATE:
             return None
         _args, kwargs, _embed = json.loads(base64.b64decode(message["body"]))
-        return int(kwargs["job_id"])
-    except (ValueError, KeyError, TypeError):
+        eta = headers.get("eta")
+        return Message(
+            job_id=int(kwargs["job_id"]),
+            eta=None if eta is None else datetime.fromisoformat(eta).timestamp(),
+            retries=int(headers.get("retries") or 0),
+            argsrepr=str(headers.get("argsrepr") or ""),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg.rows import namedtuple_row
 
 from core.urls import libpq_url
 
@@ -82,3 +83,22 @@ def _assignments(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
         if isinstance(target, ast.Name) and target.id in names:
             found[target.id] = ast.literal_eval(value)
     return found
+
+
+async def connect_async(
+    url: str,
+    *,
+    async_commit: bool = False,
+    hold_limit_ms: int | None = None,
+    connect_timeout_s: int | None = None,
+) -> psycopg.AsyncConnection[Any]:
+    """An asyncio psycopg connection to ``url`` in autocommit mode, its rows as named tuples:
+    what `models.attempt`'s batch functions run on."""
+    options: dict[str, Any] = {}
+    if connect_timeout_s is not None:
+        options["connect_timeout"] = connect_timeout_s
+    if session := session_options(async_commit=async_commit, hold_limit_ms=hold_limit_ms):
+        options["options"] = session
+    return await psycopg.AsyncConnection.connect(
+        libpq_url(url), autocommit=True, row_factory=namedtuple_row, **options
+    )

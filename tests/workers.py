@@ -1,11 +1,14 @@
-"""A worker in the test's own process, as `eaglegen worker` runs it: the Celery threads pool
-plus the side loops (heartbeat, health, leases, and the feeder and reconciler that publish
-the jobs: without them nothing stored reaches Redis)."""
+"""A worker in the test's own process, as `eaglegen worker` runs it: the Celery threads pool,
+or the loop engine's event loop (``settings.worker_engine``), plus the side loops
+(heartbeat, health, leases, and the feeder and reconciler that publish the jobs: without
+them nothing stored reaches Redis)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +19,8 @@ from celery.contrib.testing.worker import start_worker
 from core.settings import Settings
 from worker.app import create_worker_app
 from worker.background import Background
-from worker.runner import WorkerContext
+from worker.loop import LoopWorker, run
+from worker.runner import WorkerContext, release_held
 
 # How long the tasks still running when a test's worker stops may take to end.
 TASKS_EXIT_S = 30.0
@@ -26,7 +30,11 @@ TASKS_EXIT_S = 30.0
 def in_thread_worker(
     settings: Settings, hostname: str | None = None
 ) -> Iterator[tuple[WorkerContext, str]]:
-    """Run a worker until the block ends; its context and Celery node name."""
+    """Run a worker until the block ends; its context and node name."""
+    if settings.worker_engine == "loop":
+        with in_thread_loop_worker(settings, hostname) as running:
+            yield running
+        return
     app, holder = create_worker_app(settings, settings.services())
     ctx = holder.get()
     name = hostname or f"eaglegen-test-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
@@ -50,6 +58,36 @@ def in_thread_worker(
     finally:
         background.stop()
         holder.close()
+
+
+@contextmanager
+def in_thread_loop_worker(
+    settings: Settings, hostname: str | None = None
+) -> Iterator[tuple[WorkerContext, str]]:
+    """The loop engine's worker (worker.loop) on a thread of its own until the block ends,
+    then stopped as SIGTERM stops it: the grace period, then the jobs still held given back."""
+    ctx = WorkerContext.build(settings, settings.services(), settings.servers)
+    name = hostname or f"eaglegen-test-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
+    background = Background(ctx, None, name)
+    background.start()
+    worker = LoopWorker(ctx, settings.services())
+    loops: list[asyncio.AbstractEventLoop] = []
+    thread = threading.Thread(target=run, args=(worker, loops.append), name="loop-worker")
+    thread.start()
+    try:
+        yield ctx, name
+    finally:
+        ctx.begin_stop()
+        while thread.is_alive() and not loops:
+            time.sleep(0.01)
+        if loops:
+            loops[0].call_soon_threadsafe(worker.stop)
+        thread.join(TASKS_EXIT_S + settings.shutdown_grace_s)
+        background.stop()
+        release_held(ctx)
+        ctx.close()
+        if thread.is_alive():
+            raise RuntimeError(f"the loop worker still runs {TASKS_EXIT_S:g} s after its stop")
 
 
 def _join_tasks(executor: ThreadPoolExecutor, timeout_s: float) -> None:

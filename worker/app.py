@@ -10,7 +10,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import redis
 from celery import Celery, Task, bootsteps
 from celery.exceptions import Ignore, Retry
 from celery.signals import worker_shutdown, worker_shutting_down
@@ -36,6 +35,7 @@ from worker.runner import (
     Outcome,
     Result,
     WorkerContext,
+    release_held,
     run_attempt,
 )
 
@@ -320,38 +320,6 @@ class _Ending(logging.Filter):
             text = f"{type(error).__name__}: {error}" if error else record.getMessage()
             self.cause = " ".join(text.split())[:500]
         return True
-
-
-def release_held(ctx: WorkerContext) -> list[int]:
-    """Give back every job this process still holds, in any phase (being claimed, running,
-    or left in doubt by a database error), without spending an attempt, and its slots; the
-    released ids (the feeder publishes them again).
-
-    A job noted here that is not ours in Postgres (a claim that never committed, a job
-    another worker took since) is left as it is: the release matches only this worker's
-    running jobs. It goes through the leases' own connection: the task threads may hold
-    every pooled one when the grace period ends."""
-    held, released = ctx.held_jobs(), []
-    try:
-        for job in held:
-            if ctx.leases.release(
-                job, ctx.name, "worker stopped before the request finished", refund=True
-            ):
-                released.append(job)
-    except DATABASE_UNAVAILABLE as exc:  # they stay running until their leases lapse
-        log.warning(
-            "could not give back %d held job(s) (%s): the reconciler re-queues those still "
-            "running once their leases lapse (EAGLEGEN_LEASE_SECONDS)",
-            len(held) - len(released),
-            one_line(exc),
-        )
-    try:
-        ctx.router.release_all()  # else other workers lose these slots for slot_lease_seconds
-        if released:
-            ctx.publisher.wake_feeder()
-    except redis.RedisError as exc:
-        log.warning("slots not given back (%s): their leases lapse by themselves", exc)
-    return released
 
 
 def _on_shutdown(ctx: WorkerContext, app: Celery, nodename: str, opened: OpenTasks) -> None:

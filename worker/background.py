@@ -40,8 +40,14 @@ class Background:
     """Starts the side loops of one worker process; each runs on a daemon thread."""
 
     def __init__(
-        self, ctx: WorkerContext, app: Celery, nodename: str, pinned: PinResult | None = None
+        self,
+        ctx: WorkerContext,
+        app: Celery | None,
+        nodename: str,
+        pinned: PinResult | None = None,
     ) -> None:
+        """``app``: the Celery engine's app (None for the loop engine, worker.loop, which
+        has no consumer to pause and sends Flower no task events)."""
         self.ctx = ctx
         self.app = app
         self.nodename = nodename
@@ -83,7 +89,8 @@ class Background:
         self.beat()
         # A worker whose servers are all down or unidentified when its consumer starts pauses
         # it then: a pause asked for before (a server found down) reached no consumer.
-        worker_ready.connect(self._consumer_ready, weak=False)
+        if self.app is not None:
+            worker_ready.connect(self._consumer_ready, weak=False)
         self._loop("heartbeat", s.heartbeat_interval_s, self.beat)
         self._loop("health", s.health_interval_s, self.check_health)
         self._loop("identity", s.reidentify_interval_s, self.reidentify)
@@ -98,7 +105,8 @@ class Background:
     def stop(self) -> None:
         """Stop the loops, remove the heartbeat and hand the feeder's lock on."""
         self._stop.set()
-        worker_ready.disconnect(self._consumer_ready)
+        if self.app is not None:
+            worker_ready.disconnect(self._consumer_ready)
         for thread in self._threads:
             thread.join(timeout=5)
         try:
@@ -228,8 +236,11 @@ class Background:
 
     def _switch_consumer(self, consume: bool) -> None:
         queue = self.ctx.settings.queue
-        # Control messages go through the broker to this worker's own consumer thread.
-        if consume:
+        # Control messages go through the broker to this worker's own consumer thread (the
+        # loop engine's intake takes nothing while no server is ready, by itself).
+        if self.app is None:
+            pass
+        elif consume:
             self.app.control.add_consumer(queue, destination=[self.nodename], reply=False)
         else:
             self.app.control.cancel_consumer(queue, destination=[self.nodename], reply=False)
@@ -280,6 +291,8 @@ class Background:
     def _announce_skipped(self, job_ids: list[int]) -> None:
         """Tell Flower that these jobs, which it saw sent back, ended skipped (as the task
         does for a job it skips itself)."""
+        if self.app is None:
+            return
         queue = self.ctx.settings.queue
         with self.app.events.default_dispatcher(hostname=self.nodename) as dispatcher:
             for job_id in job_ids:

@@ -27,7 +27,10 @@ def run_worker(
     """Start one worker; ``processes`` unpinned child processes; or (``auto``, ``0,1``) one
     pinned child process per NUMA node. ``argv_rest``: the options every child gets (each
     child's metrics port is added here)."""
-    from worker.app import start
+    if settings.worker_engine == "loop":
+        from worker.loop import start
+    else:
+        from worker.app import start
 
     port = settings.metrics_port
     if processes > 1:

@@ -601,3 +601,35 @@ def _settle_failure(
     ctx.repo.fail(job.id, ctx.name, said, server=server.name, kind=error.kind)
     log.warning("job %s failed after %s attempt(s): %s", job.id, job.attempts, said)
     return Result(Outcome.FAILED, reason=f"after {job.attempts} attempt(s) ({error.kind}): {said}")
+
+
+def release_held(ctx: WorkerContext) -> list[int]:
+    """Give back every job this process still holds, in any phase (being claimed, running,
+    or left in doubt by a database error), without spending an attempt, and its slots; the
+    released ids (the feeder publishes them again).
+
+    A job noted here that is not ours in Postgres (a claim that never committed, a job
+    another worker took since) is left as it is: the release matches only this worker's
+    running jobs. It goes through the leases' own connection: the task threads may hold
+    every pooled one when the grace period ends."""
+    held, released = ctx.held_jobs(), []
+    try:
+        for job in held:
+            if ctx.leases.release(
+                job, ctx.name, "worker stopped before the request finished", refund=True
+            ):
+                released.append(job)
+    except DATABASE_UNAVAILABLE as exc:  # they stay running until their leases lapse
+        log.warning(
+            "could not give back %d held job(s) (%s): the reconciler re-queues those still "
+            "running once their leases lapse (EAGLEGEN_LEASE_SECONDS)",
+            len(held) - len(released),
+            one_line(exc),
+        )
+    try:
+        ctx.router.release_all()  # else other workers lose these slots for slot_lease_seconds
+        if released:
+            ctx.publisher.wake_feeder()
+    except redis.RedisError as exc:
+        log.warning("slots not given back (%s): their leases lapse by themselves", exc)
+    return released

@@ -248,6 +248,16 @@ class Router:
                 return Lease(server, token)
         return None
 
+    def acquire_many(self, server: Server, most: int) -> list[Lease]:
+        """Up to ``most`` slots on ``server`` at once, as many as it has free (none while it
+        is down): one Redis call, for a worker that takes its jobs in batches (worker.loop)."""
+        if not server.healthy:
+            return []
+        tokens = self._slots.try_acquire_many(server.name, self.limit(server), most)
+        with self._lock:
+            server.held.update(tokens)
+        return [Lease(server, token) for token in tokens]
+
     def rooms(self) -> list[Room]:
         """Each server that may take a job now (up, its model known): the slots this process
         holds there, its limit, and the slots all workers hold there (a Redis call each)."""
@@ -266,13 +276,21 @@ class Router:
         with self._freed:
             self._freed.notify()
 
+    def release_many(self, server: Server, leases: Sequence[Lease]) -> None:
+        """Return several slots of one server in one Redis call."""
+        tokens = [lease.token for lease in leases]
+        with self._lock:
+            server.held.difference_update(tokens)
+        self._slots.release(server.name, *tokens)
+        with self._freed:
+            self._freed.notify(len(tokens))
+
     def release_all(self) -> None:
         """Give back every slot this process holds (it is about to exit)."""
         for server in self.servers:
             with self._lock:
                 tokens, server.held = list(server.held), set()
-            for token in tokens:
-                self._slots.release(server.name, token)
+            self._slots.release(server.name, *tokens)
 
     def renew(self) -> None:
         """Keep this process's leases alive (called periodically)."""

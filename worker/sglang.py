@@ -102,7 +102,7 @@ class SGLangClient:
             if response.status != 200:
                 raise AttemptError(
                     f"{self.server.name}: HTTP {response.status}: "
-                    f"{_error_message(response.read(ERROR_BODY_BYTES))}",
+                    f"{error_message(response.read(ERROR_BODY_BYTES))}",
                     retryable=classify_status(response.status),
                     kind=status_kind(response.status),
                 )
@@ -249,7 +249,7 @@ def generate_payload(
     return {"input_ids": list(input_ids), "sampling_params": sampling_params, "rid": rid}
 
 
-def _error_message(raw: bytes) -> str:
+def error_message(raw: bytes) -> str:
     """SGLang's error message from an error body, or the body's start."""
     try:
         body = json.loads(raw)

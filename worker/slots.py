@@ -31,6 +31,23 @@ return 0
 """
 )
 
+# As _ACQUIRE for up to #ARGV - 2 slots at once: as many of the tokens as the limit leaves
+# room for; how many (the first ones) were added.
+_ACQUIRE_MANY = (
+    _NOW
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local free = tonumber(ARGV[1]) - redis.call('ZCARD', KEYS[1])
+local won = 0
+for i = 3, #ARGV do
+  if won >= free then break end
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[i])
+  won = won + 1
+end
+return won
+"""
+)
+
 # Push the expiry of the given leases forward, only those still present.
 _RENEW = (
     _NOW
@@ -54,6 +71,7 @@ class SlotPool:
         self._client = client
         self._lease = lease_seconds
         self._acquire = client.register_script(_ACQUIRE)
+        self._acquire_many = client.register_script(_ACQUIRE_MANY)
         self._renew = client.register_script(_RENEW)
         self._count = client.register_script(_COUNT)
 
@@ -63,14 +81,24 @@ class SlotPool:
         won = self._acquire(keys=[keys.slots(server)], args=[limit, self._lease, token])
         return token if won == 1 else None
 
+    def try_acquire_many(self, server: str, limit: int, most: int) -> list[str]:
+        """Lease tokens for as many free slots under ``limit`` as there are, up to ``most``,
+        in one call."""
+        if most <= 0:
+            return []
+        tokens = [uuid.uuid4().hex for _ in range(most)]
+        won = int(self._acquire_many(keys=[keys.slots(server)], args=[limit, self._lease, *tokens]))
+        return tokens[:won]
+
     def renew(self, server: str, tokens: list[str]) -> None:
         """Push the expiry of held leases forward (only those still present)."""
         if tokens:
             self._renew(keys=[keys.slots(server)], args=[self._lease, *tokens])
 
-    def release(self, server: str, token: str) -> None:
-        """Give the slot back."""
-        self._client.zrem(keys.slots(server), token)
+    def release(self, server: str, *tokens: str) -> None:
+        """Give the slots back."""
+        if tokens:
+            self._client.zrem(keys.slots(server), *tokens)
 
     def in_flight(self, server: str) -> int:
         """Live leases on ``server`` right now (all workers)."""

@@ -41,6 +41,15 @@ def worker(
             "have room for)",
         ),
     ] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            envvar="EAGLEGEN_WORKER_ENGINE",
+            help="celery: a task per message on Celery's threads (Flower shows each); loop: "
+            "every request on one event loop, jobs claimed and recorded in batches (a third "
+            "of the CPU a job; no streaming, turn affinity or Flower task events yet)",
+        ),
+    ] = None,
     numa_node: Annotated[
         str | None, typer.Option(help="Pin to NUMA node N, a list 0,1, or auto (one per node)")
     ] = None,
@@ -82,6 +91,7 @@ def worker(
         broker_url=broker_url,
         data_dir=data_dir,
         worker_concurrency=concurrency,
+        worker_engine=engine,
         servers=parse_servers(server) if server else None,
         metrics_port=metrics_port,
     )
@@ -96,4 +106,6 @@ def worker(
     passthrough = [f"--server={s}" for s in server]
     if concurrency is not None:
         passthrough.append(f"--concurrency={concurrency}")
+    if engine is not None:
+        passthrough.append(f"--engine={engine}")
     raise typer.Exit(run_worker(settings, live, numa_node, passthrough, processes))

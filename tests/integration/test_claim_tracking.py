@@ -26,8 +26,7 @@ from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, write_jsonl
 from tests.outage import wait_for
 from tests.workers import in_thread_worker
-from worker.app import release_held
-from worker.runner import WorkerContext
+from worker.runner import WorkerContext, release_held
 
 # The claim's statement (models/attempt.py `_TAKE`), as it crosses the wire. It runs in
 # autocommit: its answer comes once it has committed.

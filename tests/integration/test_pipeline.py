@@ -1,4 +1,5 @@
-"""A real Celery worker (threads pool) against the simulator and real Postgres and Redis."""
+"""A real worker, each engine (Celery's threads pool, and the event loop of worker.loop),
+against the simulator and real Postgres and Redis."""
 
 from __future__ import annotations
 
@@ -18,9 +19,15 @@ from tests.helpers import enqueue_file, family_tokenizer, sample_rows, wait_sett
 from tests.workers import in_thread_worker
 
 
+@pytest.fixture(params=["celery", "loop"])
+def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
+    """Every test here runs against each worker engine."""
+    return settings.model_copy(update={"worker_engine": request.param})
+
+
 @contextmanager
 def worker(settings: Settings) -> Iterator[None]:
-    """A real Celery worker (threads pool) in this process, on the settings' servers."""
+    """A real worker in this process, on the settings' servers."""
     with in_thread_worker(settings.model_copy(update={"worker_concurrency": 16})):
         yield
 

@@ -1,5 +1,6 @@
-"""Issue 4: an in-thread Celery worker (threads pool, with its health and heartbeat loops)
-against the simulator's fault knobs, real Postgres and real Redis.
+"""Issue 4: an in-thread worker (with its health and heartbeat loops), each engine (Celery's
+threads pool, and the event loop of worker.loop), against the simulator's fault knobs, real
+Postgres and real Redis.
 
 Every test ends with exact counts: jobs by state, attempts per job, generation rows, and the
 /generate calls the simulator saw.
@@ -59,6 +60,12 @@ def faults(sim: SimServer) -> Iterator[Faults]:
 
         yield set_faults
         set_faults()
+
+
+@pytest.fixture(params=["celery", "loop"])
+def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
+    """Every test here runs against each worker engine."""
+    return settings.model_copy(update={"worker_engine": request.param})
 
 
 def tuned(settings: Settings, **overrides: Any) -> Settings:

@@ -1,0 +1,224 @@
+"""SGLang's raw ``/generate`` from an asyncio event loop (worker.loop): the answers of
+`worker.sglang.SGLangClient`, and its errors, without a thread per request.
+
+A minimal HTTP/1.1 client on asyncio streams, for the one request the loop sends: a POST
+of JSON, whose whole answer comes at once (not streamed) with a Content-Length or chunked.
+Each request takes a kept-alive connection of the server's idle ones, or opens one; it goes
+back only once its answer was read to the end and the server keeps it open. Every answer is
+bounded in time (its head within ``timeout_s``, its body within ``stall_timeout_s`` after
+the head, as the threaded client does) and in size (``max_response_bytes``, refused unread
+when declared larger).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from core.settings import ServerSpec
+from worker.retry import AttemptError, ErrorKind, classify_status, status_kind
+from worker.sglang import (
+    CONNECT_TIMEOUT_S,
+    ERROR_BODY_BYTES,
+    KEEPALIVE_EXPIRY_S,
+    error_message,
+    generate_payload,
+)
+
+# A response's status line and headers; also asyncio's bound on one line of a chunked body.
+HEAD_BYTES = 64 << 10
+
+
+class HttpAnswerError(Exception):
+    """An answer that breaks HTTP/1.1 as this client reads it."""
+
+
+class _Connection:
+    """One kept-alive connection and when it was last idle."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.idle_since = time.monotonic()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class AsyncSGLang:
+    """Calls one server's raw ``/generate`` with token ids, from an event loop."""
+
+    def __init__(
+        self,
+        server: ServerSpec,
+        *,
+        timeout_s: float,
+        max_response_bytes: int = 64 << 20,
+        stall_timeout_s: float = 300.0,
+    ) -> None:
+        self.server = server
+        url = urlsplit(server.url)
+        self._host = url.hostname or ""
+        self._https = url.scheme == "https"
+        self._port = url.port or (443 if self._https else 80)
+        self._path = f"{url.path.rstrip('/')}/generate"
+        self._timeout_s = timeout_s
+        self._stall_s = stall_timeout_s
+        self._max_bytes = max_response_bytes
+        self._ssl = ssl.create_default_context() if self._https else None
+        self._idle: list[_Connection] = []
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str
+    ) -> Any:
+        """POST /generate; the parsed answer, or AttemptError (retryable or not)."""
+        body = orjson.dumps(generate_payload(input_ids, sampling_params, rid))
+        connection = await self._connection()
+        reusable = False
+        try:
+            status, answer, reusable = await self._exchange(connection, body)
+        except (OSError, EOFError, HttpAnswerError, asyncio.LimitOverrunError) as exc:
+            timeout = isinstance(exc, TimeoutError)
+            raise AttemptError(
+                f"{self.server.name}: {type(exc).__name__}: {exc}",
+                retryable=True,
+                transport=True,
+                kind=ErrorKind.TIMEOUT if timeout else ErrorKind.CONNECTION,
+            ) from exc
+        finally:
+            if reusable:
+                connection.idle_since = time.monotonic()
+                self._idle.append(connection)
+            else:
+                connection.close()
+        if status != 200:
+            raise AttemptError(
+                f"{self.server.name}: HTTP {status}: {error_message(answer)}",
+                retryable=classify_status(status),
+                kind=status_kind(status),
+            )
+        try:
+            return orjson.loads(answer)
+        except orjson.JSONDecodeError as exc:
+            raise AttemptError(
+                f"{self.server.name}: malformed JSON body", retryable=True, kind=ErrorKind.MALFORMED
+            ) from exc
+
+    async def _connection(self) -> _Connection:
+        """A kept connection not idle too long (below the server's keep-alive, so that it
+        is never reused just as the server closes it), else a new one."""
+        while self._idle:
+            connection = self._idle.pop()
+            if time.monotonic() - connection.idle_since < KEEPALIVE_EXPIRY_S:
+                return connection
+            connection.close()
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=self._host if self._ssl else None,
+                    limit=HEAD_BYTES,
+                ),
+                CONNECT_TIMEOUT_S,
+            )
+        except OSError as exc:
+            raise AttemptError(
+                f"{self.server.name}: {type(exc).__name__}: {exc}",
+                retryable=True,
+                transport=True,
+                kind=ErrorKind.TIMEOUT if isinstance(exc, TimeoutError) else ErrorKind.CONNECTION,
+            ) from exc
+        return _Connection(reader, writer)
+
+    async def _exchange(self, connection: _Connection, body: bytes) -> tuple[int, bytes, bool]:
+        """Send the request; the status, the body (an error's cut to ERROR_BODY_BYTES) and
+        whether the connection may be used again."""
+        head = (
+            f"POST {self._path} HTTP/1.1\r\nHost: {self._host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        connection.writer.write(head.encode() + body)
+        raw = await asyncio.wait_for(connection.reader.readuntil(b"\r\n\r\n"), self._timeout_s)
+        status, headers = parse_head(raw)
+        bound = self._max_bytes if status == 200 else ERROR_BODY_BYTES
+        read = self._body(connection.reader, headers, bound, status == 200)
+        answer, whole = await asyncio.wait_for(read, self._stall_s)
+        keep = whole and headers.get("connection", "").lower() != "close"
+        return status, answer, keep
+
+    async def _body(
+        self, reader: asyncio.StreamReader, headers: dict[str, str], bound: int, strict: bool
+    ) -> tuple[bytes, bool]:
+        """The body and whether it was read to its end. Past ``bound``: an answer
+        (``strict``) is refused unread, an error body cut there."""
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            return await self._chunked(reader, bound, strict)
+        declared = headers.get("content-length", "")
+        if not declared.isdigit():
+            raise HttpAnswerError("an answer with neither Content-Length nor chunks")
+        size = int(declared)
+        if size > bound:
+            if strict:
+                raise self._too_large(f"declares {size} bytes")
+            return await reader.readexactly(bound), False
+        return await reader.readexactly(size), True
+
+    async def _chunked(
+        self, reader: asyncio.StreamReader, bound: int, strict: bool
+    ) -> tuple[bytes, bool]:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            line = await reader.readuntil(b"\r\n")
+            try:
+                length = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise HttpAnswerError(f"a bad chunk size line: {line[:40]!r}") from None
+            if length == 0:
+                while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+                    pass
+                return b"".join(chunks), True
+            size += length
+            if size > bound:
+                if strict:
+                    raise self._too_large(f"went past {bound} bytes")
+                return b"".join(chunks), False
+            chunks.append(await reader.readexactly(length))
+            await reader.readexactly(2)
+
+    def _too_large(self, what: str) -> AttemptError:
+        """As the threaded client says it: no answer to a request is legally that large."""
+        return AttemptError(
+            f"invalid response: {self.server.name}: body {what}, over max_response_bytes="
+            f"{self._max_bytes}",
+            retryable=False,
+            kind=ErrorKind.TOO_LARGE,
+        )
+
+    def close(self) -> None:
+        """Close the kept connections."""
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+
+def parse_head(raw: bytes) -> tuple[int, dict[str, str]]:
+    """The status code and the headers (names in lower case) of a response's head."""
+    lines = raw.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise HttpAnswerError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return int(parts[1]), headers

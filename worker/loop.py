@@ -1,0 +1,646 @@
+"""The loop engine (``EAGLEGEN_WORKER_ENGINE=loop``): every request of a worker process on one
+asyncio event loop, its messages taken, its slots leased and its jobs claimed and recorded in
+batches (docs/design.md §7, "What a job costs, and what a batched worker changes").
+
+The Celery engine runs each message as a task on a thread of its own, and pays per job for
+the thread, the task's bookkeeping, and its own slot, claim and record round trips: where the
+server answers at once, a third of what SGLang's own client reaches (BENCHMARKS.md). Here
+one loop does what those threads did, in four parts:
+
+- the **intake** takes as many messages as its servers have slots free: due messages held
+  back first, then the queue's oldest, several in one ``RPOP`` (a message with an ``eta`` is
+  held until then, as Celery holds it); leases that many slots with one Redis call a
+  server; claims the jobs with `models.attempt.claim_batch` (two round trips a batch); and
+  starts an **attempt** for each job won, on the slot taken for it;
+- an **attempt** sends the job (worker.aio_sglang), checks the answer as the Celery engine
+  does (`worker.runner.checked_answer`), gives its slot back (with the other answers of
+  the same turn of the loop, one Redis call) and hands the answer to the recorder. A failed
+  attempt is settled as the runner settles it (`_settle_failure`, in a thread: it may
+  probe the server); so is a job whose model its slot's server does not serve (the
+  runner's own path, in a thread);
+- the **recorder** stores whatever answers arrived while its last batch was written
+  (`models.attempt.record_batch`, one round trip and one commit), waiting out a Postgres
+  outage of up to a lease period as the runner does;
+- the side loops (heartbeat, health, leases, feeder, reconciler, controllers) are the
+  Celery engine's own (worker.background), on their threads.
+
+A message is taken off the queue with ``RPOP``, not through kombu's unacked index: one this
+process took and never claimed (it was killed) is published again by the reconciler, as a
+dead Celery worker's prefetched messages are. Those it holds when it stops are pushed back.
+
+What it does not do (yet): stream answers (``EAGLEGEN_STREAM=true`` is refused), prefer a
+conversation's earlier server (turn affinity), or send per-task events to Flower (the
+worker's heartbeat and ``eaglegen status`` show it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import heapq
+import itertools
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import redis
+import redis.asyncio as aioredis
+
+from core import wire
+from core.broker import eviction_warning
+from core.settings import ServerSpec, Services, Settings
+from models.attempt import claim_batch, record_batch
+from models.pg import connect_async
+from models.records import Claim, ClaimedJob, GenerationRecord
+from worker import metrics
+from worker.aio_sglang import AsyncSGLang
+from worker.numa import PinResult
+from worker.outages import one_line
+from worker.retry import AttemptError, backoff
+from worker.runner import (
+    DB_HOLD_LIMIT_MS,
+    SLOTS_KEPT,
+    Outcome,
+    WorkerContext,
+    _settle_failure,
+    _unexpected,
+    checked_answer,
+    give_back,
+    release_held,
+    run_claimed,
+)
+from worker.servers import MAX_POLL_S, Lease, Server
+
+log = logging.getLogger(__name__)
+
+# Most jobs one claim or record batch holds: past a few dozen, a batch only holds its
+# datasets' rows longer.
+BATCH = 64
+# How long the intake waits for a message when the queue is empty (BRPOP: whole seconds on
+# older Redis servers), and for a slot when its servers are full: a slot this process gives
+# back wakes it at once, another worker's is found within the pause, which doubles up to
+# MAX_POLL_S.
+EMPTY_WAIT_S = 1
+FULL_POLL_S = 0.02
+
+
+@dataclass
+class _Answer:
+    """A checked answer waiting for the recorder."""
+
+    job: ClaimedJob
+    record: GenerationRecord
+    server: Server
+
+
+class _Postgres:
+    """One asyncio connection, opened again after it broke (a Postgres restart)."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    async def conn(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = await connect_async(
+                self._url, async_commit=True, hold_limit_ms=DB_HOLD_LIMIT_MS, connect_timeout_s=10
+            )
+        return self._conn
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+
+
+class LoopWorker:
+    """One worker process's requests on one event loop."""
+
+    def __init__(self, ctx: WorkerContext, services: Services) -> None:
+        self.ctx = ctx
+        s: Settings = ctx.settings
+        self._clients = {
+            server.name: AsyncSGLang(
+                server.spec,
+                timeout_s=s.request_timeout_s,
+                max_response_bytes=s.max_response_bytes,
+                stall_timeout_s=s.stall_timeout_s,
+            )
+            for server in ctx.router.servers
+        }
+        self._claims = _Postgres(services.database_url)
+        self._records = _Postgres(services.database_url)
+        self._redis = aioredis.Redis.from_url(services.broker_url)
+        # Messages taken and not claimed yet: held until their eta, or due and waiting
+        # for a slot (oldest first).
+        self._held: list[tuple[float, int, wire.Message]] = []
+        self._due: collections.deque[wire.Message] = collections.deque()
+        self._order = itertools.count()
+        self._attempts: set[asyncio.Task[None]] = set()
+        self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
+        self._freeing: dict[str, list[Lease]] = {}
+        self._freed = asyncio.Event()
+        self._stop = asyncio.Event()
+
+    # -- the run -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Take and run jobs until `stop`; then wait up to the grace period for the
+        attempts in flight, and push back the messages taken and not claimed."""
+        recorder = asyncio.create_task(self._recorder(), name="recorder")
+        intake = asyncio.create_task(self._intake(), name="intake")
+        try:
+            await self._stop.wait()
+            await _finish(intake)
+            await self._drain(self.ctx.settings.shutdown_grace_s)
+            await self._answers.put(None)
+            await recorder
+        finally:
+            for task in (intake, recorder, *self._attempts):
+                task.cancel()
+            await asyncio.gather(intake, recorder, *self._attempts, return_exceptions=True)
+            self._flush_slots()
+            await asyncio.to_thread(self._push_back)
+            for client in self._clients.values():
+                client.close()
+            await self._claims.close()
+            await self._records.close()
+            await self._redis.aclose()
+
+    def stop(self) -> None:
+        """Take no new job (the process is stopping); in the loop's thread."""
+        self._stop.set()
+        self._freed.set()
+
+    def abandon(self) -> None:
+        """End the grace period now: the attempts in flight are cancelled (their jobs are
+        given back at exit, `worker.runner.release_held`)."""
+        for task in list(self._attempts):
+            task.cancel()
+
+    async def _drain(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for the attempts in flight and their records."""
+        deadline = time.monotonic() + grace_s
+        while self._attempts or not self._answers.empty():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._attempts:
+                await asyncio.wait(set(self._attempts), timeout=left)
+            else:
+                await asyncio.sleep(min(left, 0.01))
+
+    def _push_back(self) -> None:
+        """Publish again the messages taken and never claimed, each at its own time."""
+        now = time.time()
+        messages = [*self._due, *(m for _due, _n, m in self._held)]
+        self._due.clear()
+        self._held.clear()
+        try:
+            for message in messages:
+                countdown = 0.0 if message.eta is None else max(0.0, message.eta - now)
+                self.ctx.publisher.publish_later(
+                    message.job_id,
+                    countdown=countdown,
+                    retries=message.retries,
+                    task_id=wire.job_task_id(self.ctx.settings.queue, message.job_id),
+                    job_tag=wire.tag_of(message.job_id, message.argsrepr),
+                )
+        except redis.RedisError as exc:
+            log.warning(
+                "could not push back %d message(s) taken and not claimed (%s): the "
+                "reconciler publishes their jobs again",
+                len(messages),
+                one_line(exc),
+            )
+
+    # -- intake: messages, slots, claims -------------------------------------------------
+
+    async def _intake(self) -> None:
+        """Take as many jobs as the servers have slots free, claim them, start them."""
+        pause = FULL_POLL_S
+        while not self._stop.is_set():
+            ready = [s for s in self.ctx.router.servers if s.healthy and s.served is not None]
+            room = sum(max(0, self.ctx.router.limit(s) - len(s.held)) for s in ready)
+            messages = await self._take(min(room, BATCH)) if room else []
+            if not messages:
+                if not room:  # servers full, down or unidentified: a slot freed wakes it
+                    await self._wait_freed(pause if ready else 1.0)
+                    pause = min(2 * pause, MAX_POLL_S)
+                continue
+            leases = self._lease(ready, len(messages))
+            self._due.extendleft(reversed(messages[len(leases) :]))  # no slot: first next time
+            if not leases:
+                await self._wait_freed(pause)
+                pause = min(2 * pause, MAX_POLL_S)
+                continue
+            pause = FULL_POLL_S
+            await self._claim(messages[: len(leases)], leases)
+
+    async def _wait_freed(self, timeout_s: float) -> None:
+        self._freed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._freed.wait(), timeout_s)
+
+    async def _take(self, most: int) -> list[wire.Message]:
+        """Up to ``most`` due messages: those held back first, then the queue's oldest (the
+        publisher pushes on the left); waits up to EMPTY_WAIT_S when there are none."""
+        now = time.time()
+        taken: list[wire.Message] = []
+        while self._held and self._held[0][0] <= now and len(taken) < most:
+            taken.append(heapq.heappop(self._held)[2])
+        while self._due and len(taken) < most:
+            taken.append(self._due.popleft())
+        if len(taken) < most:
+            raw = await self._redis.rpop(self.ctx.settings.queue, most - len(taken))
+            if not raw and not taken:
+                popped = await self._redis.brpop([self.ctx.settings.queue], EMPTY_WAIT_S)
+                raw = [popped[1]] if popped else []
+            for each in raw or []:
+                self._read(each, now, taken)
+        self.ctx.outages.redis_ok()
+        return taken
+
+    def _read(self, raw: Any, now: float, taken: list[wire.Message]) -> None:
+        message = wire.read(raw)
+        if message is None:
+            log.warning(
+                "dropped a message on queue %s that is not an eaglegen job: %.200r",
+                self.ctx.settings.queue,
+                raw,
+            )
+        elif message.eta is not None and message.eta > now:
+            heapq.heappush(self._held, (message.eta, next(self._order), message))
+        else:
+            taken.append(message)
+
+    def _lease(self, ready: Sequence[Server], most: int) -> list[Lease]:
+        """Up to ``most`` slots, the least loaded of ``ready`` first, one Redis call each."""
+        leases: list[Lease] = []
+        for server in sorted(ready, key=lambda s: len(s.held)):
+            if len(leases) < most:
+                leases += self.ctx.router.acquire_many(server, most - len(leases))
+        return leases
+
+    async def _claim(self, messages: list[wire.Message], leases: list[Lease]) -> None:
+        """Claim the messages' jobs in one batch; start those won, each on its slot."""
+        ctx = self.ctx
+        ids = [m.job_id for m in messages]
+        noted = [job for job in ids if ctx.begin_claim(job)]
+        if len(noted) < len(ids):  # it began to stop: nothing claimed
+            for job in noted:
+                ctx.end_claim(job, False)
+            self._release(leases)
+            self._due.extendleft(reversed(messages))
+            return
+        try:
+            claims = await claim_batch(
+                await self._claims.conn(), ids, ctx.name, ctx.settings.lease_seconds
+            )
+        except psycopg.OperationalError as exc:
+            await self._claims_failed(messages, leases, exc)
+            return
+        ctx.outages.database_ok()
+        unused: list[Lease] = []
+        deferred: list[int] = []
+        for message, claim, lease in zip(messages, claims, leases, strict=True):
+            ctx.end_claim(message.job_id, claim.job is not None)
+            if claim.job is None:
+                unused.append(lease)
+                self._not_run(message.job_id, claim, deferred)
+            else:
+                self._start(self._attempt(claim.job, lease))
+        self._release(unused)
+        if deferred:
+            await asyncio.to_thread(self._defer, deferred)
+
+    def _not_run(self, job_id: int, claim: Claim, deferred: list[int]) -> None:
+        outcome = {
+            "deferred": Outcome.DEFERRED,
+            "skipped": Outcome.SKIPPED,
+        }.get(claim.outcome, Outcome.NOT_CLAIMED)
+        if outcome is Outcome.DEFERRED:
+            deferred.append(job_id)
+        self._ended(job_id, outcome)
+
+    def _defer(self, jobs: list[int]) -> None:
+        """Budget deferrals: the feeder offers these jobs again after the wait."""
+        wait = self.ctx.settings.budget_defer_s
+        reason = (
+            "budget deferral: the rest of the budget is held by running jobs; "
+            f"asked again in {wait:g} s"
+        )
+        for job in jobs:
+            self.ctx.repo.defer(job, wait, reason)
+
+    async def _claims_failed(
+        self, messages: list[wire.Message], leases: list[Lease], exc: Exception
+    ) -> None:
+        """Postgres out of reach: whether the claims committed is unknown (the jobs are
+        kept in doubt, for shutdown and the reconciler); their messages go back to the
+        queue after a backoff, as the Celery engine sends them back."""
+        ctx = self.ctx
+        ctx.outages.service_down(exc)
+        for message in messages:
+            ctx.end_claim(message.job_id, None)
+        self._release(leases)
+        s = ctx.settings
+        for message in messages:
+            countdown = backoff(message.retries + 1, s.retry_base_s, s.retry_cap_s)
+            self._held_until(message, time.time() + countdown)
+        await self._wait_freed(backoff(1, s.retry_base_s, s.retry_cap_s))
+
+    def _held_until(self, message: wire.Message, when: float) -> None:
+        later = wire.Message(message.job_id, when, message.retries + 1, message.argsrepr)
+        heapq.heappush(self._held, (when, next(self._order), later))
+
+    # -- attempts ------------------------------------------------------------------------
+
+    def _start(self, attempt: Any) -> None:
+        task = asyncio.create_task(attempt)
+        self._attempts.add(task)
+        task.add_done_callback(self._attempts.discard)
+
+    async def _attempt(self, job: ClaimedJob, lease: Lease) -> None:
+        """Send one claimed job on its slot; its answer to the recorder, or its failure
+        settled."""
+        server = lease.server
+        if server.serves(job.run_model) is not None:  # another model: the runner's path
+            await asyncio.to_thread(self._elsewhere, job, lease)
+            return
+        failure: AttemptError | None = None
+        with self.ctx.metrics.request(server.name) as request:
+            try:
+                body = await self._clients[server.name].generate(
+                    job.input_ids, job.sampling_params, str(job.id)
+                )
+                record = checked_answer(body, job, server.name)
+            except AttemptError as error:
+                failure = error
+            except Exception as exc:  # an answer nothing expected: this attempt ends now
+                failure = _unexpected(server, exc)
+            if failure is not None:
+                request.failed(failure.kind)
+        if failure is not None:
+            await asyncio.to_thread(self._settle, job, lease, failure)
+            return
+        self._free(lease)
+        if changed := server.still_serves(job.run_model):  # another model answered
+            await asyncio.to_thread(self._unserved, job, changed)
+            return
+        self._answers.put_nowait(_Answer(job, record, server))
+
+    def _elsewhere(self, job: ClaimedJob, lease: Lease) -> None:
+        """The runner's path for a job whose model is on another server (a slot there
+        swapped in, or the job given back), in a thread."""
+        held = [lease]
+        settled = False
+        try:
+            result = run_claimed(self.ctx, job, held)
+            settled = True
+        finally:
+            self.ctx.end_attempt(job.id, settled)
+            for each in held:
+                give_back(self.ctx, each)
+        self._ended(job.id, result.outcome)
+
+    def _settle(self, job: ClaimedJob, lease: Lease, failure: AttemptError) -> None:
+        """A failed attempt settled as the runner settles it (the slot kept until then, so
+        that no request goes to a server about to be marked down), in a thread."""
+        settled = False
+        try:
+            result = _settle_failure(self.ctx, lease.server, job, failure)
+            settled = True
+        finally:
+            self.ctx.end_attempt(job.id, settled)
+            give_back(self.ctx, lease)
+        self._ended(job.id, result.outcome)
+
+    def _unserved(self, job: ClaimedJob, why: str) -> None:
+        wait = self.ctx.settings.health_interval_s
+        self.ctx.repo.release(job.id, self.ctx.name, why, refund=True, retry_in_s=wait)
+        self.ctx.end_attempt(job.id, True)
+        self._ended(job.id, Outcome.UNSERVED)
+
+    def _ended(self, job_id: int, outcome: Outcome) -> None:
+        self.ctx.metrics.attempt(outcome.value)
+        self.ctx.ended(job_id, outcome)
+
+    # -- slots given back ----------------------------------------------------------------
+
+    def _free(self, lease: Lease) -> None:
+        """Give a slot back with the others freed in this turn of the loop (one call)."""
+        if not self._freeing:
+            asyncio.get_running_loop().call_soon(self._flush_slots)
+        self._freeing.setdefault(lease.server.name, []).append(lease)
+
+    def _flush_slots(self) -> None:
+        freeing, self._freeing = self._freeing, {}
+        for leases in freeing.values():
+            self._release(leases)
+
+    def _release(self, leases: Sequence[Lease]) -> None:
+        """Give slots back now; Redis out of reach: they lapse by themselves."""
+        by_server: dict[str, list[Lease]] = {}
+        for lease in leases:
+            by_server.setdefault(lease.server.name, []).append(lease)
+        try:
+            for server_leases in by_server.values():
+                self.ctx.router.release_many(server_leases[0].server, server_leases)
+        except redis.RedisError as exc:
+            self.ctx.outages.down(
+                SLOTS_KEPT,
+                one_line(exc),
+                then="their leases lapse by themselves",
+                ended="slots given back again",
+            )
+        else:
+            self.ctx.outages.up(SLOTS_KEPT)
+        if leases:
+            self._freed.set()
+
+    # -- the recorder --------------------------------------------------------------------
+
+    async def _recorder(self) -> None:
+        """Store the answers that arrived while the last batch was written, as one batch."""
+        ending = False
+        while not ending:
+            first = await self._answers.get()
+            batch = [] if first is None else [first]
+            ending = first is None
+            while not ending and len(batch) < BATCH and not self._answers.empty():
+                more = self._answers.get_nowait()
+                ending = more is None
+                batch += [] if more is None else [more]
+            if batch:
+                await self._record(batch)
+
+    async def _record(self, batch: list[_Answer]) -> None:
+        """One batch stored, waiting out a Postgres outage of up to one lease period (the
+        outputs cost generations; the claim check keeps a late record from counting
+        twice); a row Postgres refuses costs only its own job."""
+        try:
+            stored = await self._stored(batch)
+        except psycopg.OperationalError:
+            for answer in batch:  # given up: maybe ours still, kept in doubt
+                self.ctx.end_attempt(answer.job.id, False)
+                self._ended(answer.job.id, Outcome.RETRY)
+            return
+        except psycopg.Error as exc:
+            if len(batch) > 1:
+                for answer in batch:
+                    await self._record([answer])
+                return
+            answer = batch[0]
+            failure = _unexpected(answer.server, exc)
+            await asyncio.to_thread(self._settle_recorded, answer, failure)
+            return
+        for answer, ok in zip(batch, stored, strict=True):
+            self.ctx.end_attempt(answer.job.id, True)
+            if ok:
+                gen = answer.record
+                self.ctx.metrics.recorded(
+                    answer.server.name, gen.prompt_tokens, gen.completion_tokens
+                )
+                self._ended(answer.job.id, Outcome.DONE)
+            else:
+                log.warning("job %s: claim lost before recording; result dropped", answer.job.id)
+                self._ended(answer.job.id, Outcome.LOST)
+
+    async def _stored(self, batch: list[_Answer]) -> list[bool]:
+        s = self.ctx.settings
+        deadline = time.monotonic() + s.lease_seconds
+        attempt = 0
+        done = [(answer.job, answer.record) for answer in batch]
+        while True:
+            try:
+                stored = await record_batch(await self._records.conn(), self.ctx.name, done)
+            except psycopg.OperationalError as exc:
+                self.ctx.outages.service_down(exc)
+                attempt += 1
+                if time.monotonic() >= deadline or self._stop.is_set():
+                    raise
+                await asyncio.sleep(max(0.05, backoff(attempt, s.retry_base_s, 1.0)))
+            else:
+                self.ctx.outages.database_ok()
+                return stored
+
+    def _settle_recorded(self, answer: _Answer, failure: AttemptError) -> None:
+        settled = False
+        try:
+            result = _settle_failure(self.ctx, answer.server, answer.job, failure)
+            settled = True
+        finally:
+            self.ctx.end_attempt(answer.job.id, settled)
+        self._ended(answer.job.id, result.outcome)
+
+
+async def _finish(task: asyncio.Task[None]) -> None:
+    """Let a task that watches the stop event end by itself (within its current wait)."""
+    try:
+        await asyncio.wait_for(asyncio.shield(task), EMPTY_WAIT_S + 1)
+    except TimeoutError:
+        task.cancel()
+
+
+def run(
+    worker: LoopWorker, on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None
+) -> None:
+    """Run ``worker`` on a new event loop in this thread until it is stopped; ``on_loop``
+    gets the loop first (to stop it from another thread, or to hook signals)."""
+
+    async def main() -> None:
+        if on_loop is not None:
+            on_loop(asyncio.get_running_loop())
+        await worker.run()
+
+    asyncio.run(main())
+
+
+def stop_on_signals(
+    worker: LoopWorker, ctx: WorkerContext
+) -> Callable[[asyncio.AbstractEventLoop], None]:
+    """SIGTERM and SIGINT begin the stop (a second one ends the grace period at once)."""
+
+    def hook(loop: asyncio.AbstractEventLoop) -> None:
+        def received(name: str) -> None:
+            if ctx.stopping.is_set():
+                log.warning("%s again: giving back the jobs in flight now", name)
+                worker.abandon()
+                return
+            drain = ctx.begin_stop()
+            log.warning(
+                "worker stopping (%s): taking no new jobs; waiting up to %g s for %d "
+                "request(s) in flight, then giving their jobs back",
+                name,
+                ctx.settings.shutdown_grace_s,
+                len(drain.waiting_for),
+            )
+            worker.stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, received, sig.name)
+
+    return hook
+
+
+def start(
+    settings: Settings,
+    services: Services,
+    servers: list[ServerSpec] | None = None,
+    pinned: PinResult | None = None,
+    loglevel: str = "INFO",
+    metrics_port: int | None = None,
+) -> int:
+    """Run a loop-engine worker in this process until SIGTERM/SIGINT, then stop as the
+    Celery engine does: the requests in flight get the grace period, the jobs still held
+    then are given back; the exit code."""
+    from worker.app import nodename  # its Celery import only where a worker starts
+    from worker.background import Background
+
+    if settings.stream:
+        raise ValueError(
+            "EAGLEGEN_STREAM=true: the loop engine does not stream answers yet; leave "
+            "streaming unset or use EAGLEGEN_WORKER_ENGINE=celery"
+        )
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=loglevel.upper(),
+            format="[%(asctime)s: %(levelname)s/%(processName)s] %(message)s",
+        )
+    ctx = WorkerContext.build(settings, services, settings.servers if servers is None else servers)
+    conflicts = ctx.hold_server_names()
+    if conflicts:
+        ctx.close()
+        raise ValueError(conflicts[0])
+    if (eviction := eviction_warning(ctx.redis)) is not None:
+        log.warning("%s", eviction)
+    name = nodename([s.name for s in ctx.router.servers], None if pinned is None else pinned.node)
+    log.warning(
+        "worker %s (loop engine): at most %d Postgres connections for claims and records, "
+        "%d for its side loops (EAGLEGEN_DB_POOL_SIZE) and one for job leases",
+        name,
+        2,
+        settings.db_pool_size,
+    )
+    exporter = None if metrics_port is None else metrics.serve(ctx.metrics, metrics_port)
+    background = Background(ctx, None, name, pinned)
+    background.start()
+    worker = LoopWorker(ctx, services)
+    try:
+        run(worker, stop_on_signals(worker, ctx))
+    finally:
+        background.stop()
+        if exporter is not None:
+            exporter.shutdown()
+        drain = ctx.begin_stop()
+        held = release_held(ctx)
+        drain.released(held)
+        kept = f"; released {len(held)} job(s) it still held: {held}" if held else ""
+        log.warning("worker stopped: %s%s", drain.summary, kept)
+        ctx.close()
+    return 0
