@@ -147,9 +147,19 @@ def sim() -> Iterator[SimServer]:
 
 
 @pytest.fixture
-def settings(database_url: str, broker_url: str, sim: SimServer, tmp_path: Path) -> Settings:
+def worker_engine() -> str:
+    """The engine of the test's worker: a module runs its tests against each by
+    ``pytestmark = tests.workers.EACH_ENGINE`` (a parametrization overrides this fixture)."""
+    return "celery"
+
+
+@pytest.fixture
+def settings(
+    database_url: str, broker_url: str, sim: SimServer, tmp_path: Path, worker_engine: str
+) -> Settings:
     """Settings pointing at this test's database, Redis db and the simulator."""
     return Settings(
+        worker_engine=worker_engine,
         database_url=database_url,
         broker_url=broker_url,
         data_dir=tmp_path / "data",

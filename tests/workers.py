@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import pytest
 from celery.contrib.testing.worker import start_worker
 
 from core.settings import Settings
@@ -22,6 +23,8 @@ from worker.background import Background
 from worker.loop import LoopWorker, run
 from worker.runner import WorkerContext, release_held
 
+# A module's tests run against each worker engine (the conftest's `worker_engine`).
+EACH_ENGINE = pytest.mark.parametrize("worker_engine", ["celery", "loop"])
 # How long the tasks still running when a test's worker stops may take to end.
 TASKS_EXIT_S = 30.0
 

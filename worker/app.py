@@ -234,13 +234,7 @@ def start(
 
     ``metrics_port``: serve this process's Prometheus metrics there.
     """
-    # httpx logs every request, and Celery every task received and ended, at INFO: lines
-    # for each job, hundreds a second from a busy worker, and a share of its one core's CPU
-    # (BENCHMARKS.md, "Orchestration ceiling"). A failed job, a server down and the
-    # worker's other decisions have lines of their own; Flower shows every task.
-    quiet = logging.getLevelName(loglevel.upper()) != logging.DEBUG
-    for name in ("httpx", "celery.worker.strategy", "celery.app.trace"):
-        logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.DEBUG)
+    quiet_request_logs(loglevel)
     app, holder = create_worker_app(settings, services, servers)
     ctx = holder.get()
     conflicts = ctx.hold_server_names()
@@ -292,6 +286,17 @@ def start(
     if ending.exitcode:
         log.error("worker stopped (exit %d): %s", ending.exitcode, ending.cause or "see above")
     return ending.exitcode
+
+
+def quiet_request_logs(loglevel: str) -> None:
+    """No line per request or task below DEBUG. httpx logs every request, and Celery every
+    task received and ended, at INFO: lines for each job, hundreds a second from a busy
+    worker, and a share of its one core's CPU (BENCHMARKS.md, "Orchestration ceiling"). A
+    failed job, a server down and the worker's other decisions have lines of their own;
+    Flower shows every task."""
+    quiet = logging.getLevelName(loglevel.upper()) != logging.DEBUG
+    for name in ("httpx", "celery.worker.strategy", "celery.app.trace"):
+        logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.DEBUG)
 
 
 class _Ending(logging.Filter):

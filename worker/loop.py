@@ -28,9 +28,8 @@ A message is taken off the queue with ``RPOP``, not through kombu's unacked inde
 process took and never claimed (it was killed) is published again by the reconciler, as a
 dead Celery worker's prefetched messages are. Those it holds when it stops are pushed back.
 
-What it does not do (yet): stream answers (``EAGLEGEN_STREAM=true`` is refused), prefer a
-conversation's earlier server (turn affinity), or send per-task events to Flower (the
-worker's heartbeat and ``eaglegen status`` show it).
+What it does not do (yet): stream answers (``EAGLEGEN_STREAM=true`` is refused), or send
+per-task events to Flower (the worker's heartbeat and ``eaglegen status`` show it).
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ import psycopg
 import redis
 import redis.asyncio as aioredis
 
-from core import wire
+from core import keys, wire
 from core.broker import eviction_warning
 from core.settings import ServerSpec, Services, Settings
 from models.attempt import claim_batch, record_batch
@@ -60,7 +59,7 @@ from models.records import Claim, ClaimedJob, GenerationRecord
 from worker import metrics
 from worker.aio_sglang import AsyncSGLang
 from worker.numa import PinResult
-from worker.outages import one_line
+from worker.outages import DATABASE_UNREACHABLE, Outages, one_line
 from worker.retry import AttemptError, backoff
 from worker.runner import (
     DB_HOLD_LIMIT_MS,
@@ -99,17 +98,29 @@ class _Answer:
 
 
 class _Postgres:
-    """One asyncio connection, opened again after it broke (a Postgres restart)."""
+    """One asyncio connection, opened again after it broke, or after an outage began."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, outages: Outages) -> None:
         self._url = url
+        self._outages = outages
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._outage = 0  # the database outages begun before it was opened
 
     async def conn(self) -> psycopg.AsyncConnection[Any]:
-        if self._conn is None or self._conn.closed or self._conn.broken:
+        """The connection; a new one after an outage. A Postgres restart breaks every
+        connection of the process, and only the one in use finds out: each other one would
+        fail once more when next used, and say the outage again."""
+        began = self._outages.began[DATABASE_UNREACHABLE]
+        if self._conn is not None and (
+            began > self._outage or self._conn.closed or self._conn.broken
+        ):
+            await self._conn.close()
+            self._conn = None
+        if self._conn is None:
             self._conn = await connect_async(
                 self._url, async_commit=True, hold_limit_ms=DB_HOLD_LIMIT_MS, connect_timeout_s=10
             )
+            self._outage = began
         return self._conn
 
     async def close(self) -> None:
@@ -132,8 +143,8 @@ class LoopWorker:
             )
             for server in ctx.router.servers
         }
-        self._claims = _Postgres(services.database_url)
-        self._records = _Postgres(services.database_url)
+        self._claims = _Postgres(services.database_url, ctx.outages)
+        self._records = _Postgres(services.database_url, ctx.outages)
         self._redis = aioredis.Redis.from_url(services.broker_url)
         # Messages taken and not claimed yet: held until their eta, or due and waiting
         # for a slot (oldest first).
@@ -221,25 +232,60 @@ class LoopWorker:
     # -- intake: messages, slots, claims -------------------------------------------------
 
     async def _intake(self) -> None:
-        """Take as many jobs as the servers have slots free, claim them, start them."""
+        """Take as many jobs as the servers have slots free, claim them, start them. A pass
+        that fails (Redis or Postgres out of reach, anything unforeseen) is said once per
+        outage, as a side loop's is (worker.background), and tried again."""
         pause = FULL_POLL_S
+        failing = "worker intake failing"
         while not self._stop.is_set():
-            ready = [s for s in self.ctx.router.servers if s.healthy and s.served is not None]
-            room = sum(max(0, self.ctx.router.limit(s) - len(s.held)) for s in ready)
-            messages = await self._take(min(room, BATCH)) if room else []
-            if not messages:
-                if not room:  # servers full, down or unidentified: a slot freed wakes it
-                    await self._wait_freed(pause if ready else 1.0)
-                    pause = min(2 * pause, MAX_POLL_S)
+            try:
+                full = await self._intake_once()
+            except Exception as exc:
+                if not self.ctx.outages.service_down(exc):
+                    self.ctx.outages.down(
+                        failing,
+                        f"{type(exc).__name__}: {one_line(exc)}",
+                        ended="worker intake works again",
+                        exc_info=exc,
+                    )
+                await self._wait_freed(1.0)
                 continue
-            leases = self._lease(ready, len(messages))
-            self._due.extendleft(reversed(messages[len(leases) :]))  # no slot: first next time
-            if not leases:
-                await self._wait_freed(pause)
-                pause = min(2 * pause, MAX_POLL_S)
+            self.ctx.outages.up(failing)
+            if not full:
+                pause = FULL_POLL_S
                 continue
-            pause = FULL_POLL_S
-            await self._claim(messages[: len(leases)], leases)
+            # Servers full, down or unidentified: a slot this process frees wakes it.
+            await self._wait_freed(pause)
+            pause = min(2 * pause, MAX_POLL_S)
+
+    async def _intake_once(self) -> bool:
+        """One batch taken, leased, claimed and started; whether the servers had no slot
+        for it (True: wait for one)."""
+        router = self.ctx.router
+        ready = [s for s in router.servers if s.healthy and s.served is not None]
+        # What the servers' limits leave, within the process's own cap (its "threads",
+        # EAGLEGEN_WORKER_CONCURRENCY: the most requests it has in flight at once).
+        in_flight = sum(len(s.held) for s in router.servers)
+        room = min(
+            sum(max(0, router.limit(s) - len(s.held)) for s in ready),
+            self.ctx.threads - in_flight,
+        )
+        if room <= 0:
+            return True
+        messages = await self._take(min(room, BATCH))
+        if not messages:
+            return False
+        try:
+            pairs = self._pair(ready, messages, await self._hints(messages))
+        except BaseException:
+            self._due.extendleft(reversed(messages))
+            raise
+        taken = {id(message) for message, _lease in pairs}
+        self._due.extendleft(reversed([m for m in messages if id(m) not in taken]))
+        if not pairs:  # other workers took the free slots: these are first next time
+            return True
+        await self._claim(pairs)
+        return False
 
     async def _wait_freed(self, timeout_s: float) -> None:
         self._freed.clear()
@@ -278,17 +324,55 @@ class LoopWorker:
         else:
             taken.append(message)
 
-    def _lease(self, ready: Sequence[Server], most: int) -> list[Lease]:
-        """Up to ``most`` slots, the least loaded of ``ready`` first, one Redis call each."""
-        leases: list[Lease] = []
-        for server in sorted(ready, key=lambda s: len(s.held)):
-            if len(leases) < most:
-                leases += self.ctx.router.acquire_many(server, most - len(leases))
-        return leases
+    async def _hints(self, messages: Sequence[wire.Message]) -> list[str | None]:
+        """The server each message's job should go to, when the advancer named one (a
+        conversation's turn: that server's prefix cache holds its history), in one Redis
+        call; none when Redis does not answer (a hint only saves a prefill)."""
+        s = self.ctx.settings
+        if not s.turn_affinity or len(self.ctx.router.servers) < 2:
+            return [None] * len(messages)
+        try:
+            found = await self._redis.mget([keys.turn_server(s.queue, m.job_id) for m in messages])
+        except redis.RedisError:
+            return [None] * len(messages)
+        return [v.decode() if isinstance(v, bytes) else None for v in found]
 
-    async def _claim(self, messages: list[wire.Message], leases: list[Lease]) -> None:
+    def _pair(
+        self,
+        ready: Sequence[Server],
+        messages: Sequence[wire.Message],
+        hints: Sequence[str | None],
+    ) -> list[tuple[wire.Message, Lease]]:
+        """A slot for as many messages as there are free: on its hinted server when that
+        one has room, else on the least loaded; one Redis call a server."""
+        by_name = {server.name: server for server in ready}
+        wanted = collections.Counter(hint for hint in hints if hint in by_name)
+        preferred: dict[str, list[Lease]] = {}
+        leases: list[Lease] = []
+        try:
+            for name, n in wanted.items():
+                preferred[name] = self.ctx.router.acquire_many(by_name[name], n)
+            need = len(messages) - sum(len(got) for got in preferred.values())
+            for server in sorted(ready, key=lambda s: len(s.held)):
+                if len(leases) < need:
+                    leases += self.ctx.router.acquire_many(server, need - len(leases))
+        except BaseException:  # no slot leaks: the ones taken so far go back
+            self._release([*leases, *(lease for got in preferred.values() for lease in got)])
+            raise
+        pairs, rest = [], []
+        for message, hint in zip(messages, hints, strict=True):
+            if hint is not None and preferred.get(hint):
+                pairs.append((message, preferred[hint].pop()))
+            else:
+                rest.append(message)
+        spare = [lease for left in preferred.values() for lease in left]
+        return pairs + list(zip(rest, spare + leases, strict=False))
+
+    async def _claim(self, pairs: list[tuple[wire.Message, Lease]]) -> None:
         """Claim the messages' jobs in one batch; start those won, each on its slot."""
         ctx = self.ctx
+        messages = [message for message, _lease in pairs]
+        leases = [lease for _message, lease in pairs]
         ids = [m.job_id for m in messages]
         noted = [job for job in ids if ctx.begin_claim(job)]
         if len(noted) < len(ids):  # it began to stop: nothing claimed
@@ -301,9 +385,9 @@ class LoopWorker:
             claims = await claim_batch(
                 await self._claims.conn(), ids, ctx.name, ctx.settings.lease_seconds
             )
-        except psycopg.OperationalError as exc:
-            await self._claims_failed(messages, leases, exc)
-            return
+        except BaseException:
+            self._unclaimed(messages, leases)
+            raise
         ctx.outages.database_ok()
         unused: list[Lease] = []
         deferred: list[int] = []
@@ -337,22 +421,16 @@ class LoopWorker:
         for job in jobs:
             self.ctx.repo.defer(job, wait, reason)
 
-    async def _claims_failed(
-        self, messages: list[wire.Message], leases: list[Lease], exc: Exception
-    ) -> None:
-        """Postgres out of reach: whether the claims committed is unknown (the jobs are
-        kept in doubt, for shutdown and the reconciler); their messages go back to the
-        queue after a backoff, as the Celery engine sends them back."""
-        ctx = self.ctx
-        ctx.outages.service_down(exc)
+    def _unclaimed(self, messages: list[wire.Message], leases: list[Lease]) -> None:
+        """A claim batch that failed (Postgres out of reach): whether the claims committed
+        is unknown, so the jobs are kept in doubt (for shutdown and the reconciler); the
+        messages are held for a backoff, as the Celery engine sends them back."""
+        s = self.ctx.settings
         for message in messages:
-            ctx.end_claim(message.job_id, None)
-        self._release(leases)
-        s = ctx.settings
-        for message in messages:
+            self.ctx.end_claim(message.job_id, None)
             countdown = backoff(message.retries + 1, s.retry_base_s, s.retry_cap_s)
             self._held_until(message, time.time() + countdown)
-        await self._wait_freed(backoff(1, s.retry_base_s, s.retry_cap_s))
+        self._release(leases)
 
     def _held_until(self, message: wire.Message, when: float) -> None:
         later = wire.Message(message.job_id, when, message.retries + 1, message.argsrepr)
@@ -599,7 +677,8 @@ def start(
     """Run a loop-engine worker in this process until SIGTERM/SIGINT, then stop as the
     Celery engine does: the requests in flight get the grace period, the jobs still held
     then are given back; the exit code."""
-    from worker.app import nodename  # its Celery import only where a worker starts
+    # Their Celery import only where a worker starts.
+    from worker.app import nodename, quiet_request_logs
     from worker.background import Background
 
     if settings.stream:
@@ -607,11 +686,12 @@ def start(
             "EAGLEGEN_STREAM=true: the loop engine does not stream answers yet; leave "
             "streaming unset or use EAGLEGEN_WORKER_ENGINE=celery"
         )
-    if not logging.getLogger().handlers:
+    if not logging.getLogger().handlers:  # as Celery's worker sets it up
         logging.basicConfig(
             level=loglevel.upper(),
             format="[%(asctime)s: %(levelname)s/%(processName)s] %(message)s",
         )
+    quiet_request_logs(loglevel)
     ctx = WorkerContext.build(settings, services, settings.servers if servers is None else servers)
     conflicts = ctx.hold_server_names()
     if conflicts:
@@ -630,6 +710,7 @@ def start(
     exporter = None if metrics_port is None else metrics.serve(ctx.metrics, metrics_port)
     background = Background(ctx, None, name, pinned)
     background.start()
+    log.info("%s ready.", name)
     worker = LoopWorker(ctx, services)
     try:
         run(worker, stop_on_signals(worker, ctx))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,9 @@ class Outages:
         self._clock = clock
         self._lock = threading.Lock()
         self._holding: dict[str, _Condition] = {}
+        # How many times each condition began: a connection opened before the database's
+        # last outage began is no longer to be trusted (worker.loop).
+        self.began: Counter[str] = Counter()
 
     def down(
         self,
@@ -74,6 +78,7 @@ class Outages:
             if held is None:
                 ending = ended if ended is not None else _ENDINGS.get(condition)
                 self._holding[condition] = _Condition(now, now, ending)
+                self.began[condition] += 1
                 line: str | None = f"{condition}: {reason}; {then}"
             elif now - held.said >= self.remind_s:
                 held.said = now

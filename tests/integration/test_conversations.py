@@ -33,7 +33,9 @@ from tests.helpers import enqueue_file, wait_settled, write_jsonl
 from tests.integration.test_families_end_to_end import tokenizer_folder
 from tests.integration.test_families_pipeline import stats_document
 from tests.unit.test_sim_tools import tool_rows
-from tests.workers import in_thread_worker
+from tests.workers import EACH_ENGINE, in_thread_worker
+
+pytestmark = EACH_ENGINE
 
 FAST: dict[str, Any] = {
     "decode_step_ms": 0.2,

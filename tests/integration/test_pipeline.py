@@ -16,13 +16,9 @@ from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
 from models.states import JobState
 from tests.helpers import enqueue_file, family_tokenizer, sample_rows, wait_settled, write_jsonl
-from tests.workers import in_thread_worker
+from tests.workers import EACH_ENGINE, in_thread_worker
 
-
-@pytest.fixture(params=["celery", "loop"])
-def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
-    """Every test here runs against each worker engine."""
-    return settings.model_copy(update={"worker_engine": request.param})
+pytestmark = EACH_ENGINE
 
 
 @contextmanager

@@ -25,8 +25,10 @@ from core.settings import ServerSpec, Settings
 from eaglegen.sim import SimConfig, SimServer
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
-from tests.workers import in_thread_worker
+from tests.workers import EACH_ENGINE, in_thread_worker
 from worker.runner import WorkerContext
+
+pytestmark = EACH_ENGINE
 
 FAST = SimConfig(seed=4321, decode_step_ms=0.5, decode_ms_per_request=0.01)
 # Each retryable fault and the knobs that switch it on for every /generate call.
@@ -60,12 +62,6 @@ def faults(sim: SimServer) -> Iterator[Faults]:
 
         yield set_faults
         set_faults()
-
-
-@pytest.fixture(params=["celery", "loop"])
-def settings(settings: Settings, request: pytest.FixtureRequest) -> Settings:
-    """Every test here runs against each worker engine."""
-    return settings.model_copy(update={"worker_engine": request.param})
 
 
 def tuned(settings: Settings, **overrides: Any) -> Settings:

@@ -27,7 +27,10 @@ from eaglegen.sim import FaultConfig, SimConfig, SimServer
 from eaglegen.sim.metrics import parse
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
+from tests.workers import EACH_ENGINE
 from worker import numa
+
+pytestmark = EACH_ENGINE
 
 LIMIT = 8
 # ~20 ms decode steps: a 24-token answer holds its request (and its slot) for ~0.5 s.
@@ -49,6 +52,7 @@ def worker_env(settings: Settings, servers: list[dict[str, Any]]) -> dict[str, s
         "EAGLEGEN_HEARTBEAT_INTERVAL_S": "0.5",
         "EAGLEGEN_HEALTH_INTERVAL_S": "0.5",
         "EAGLEGEN_SHUTDOWN_GRACE_S": "2",
+        "EAGLEGEN_WORKER_ENGINE": settings.worker_engine,
     }
 
 
