@@ -264,6 +264,18 @@ def read(raw: bytes | str) -> Message | None:
         return None
 
 
+def refusal(raw: bytes | str) -> str:
+    """Why ``read`` found no job in a message, in one line (its start shown escaped)."""
+    try:
+        content_type = str(json.loads(raw).get("content-type"))
+    except (ValueError, AttributeError):
+        return f"not a message envelope: {raw[:120]!r}"
+    if content_type != "application/json":
+        pickled = " (a pickle: never unpickled)" if "python-serialize" in content_type else ""
+        return f"its body is {content_type!r}, not JSON{pickled}"
+    return f"not an eaglegen job: {raw[:200]!r}"
+
+
 def lpush_command(key: str, values: Sequence[bytes]) -> bytes:
     """``LPUSH key values...`` in the Redis protocol (RESP).
 

@@ -2,7 +2,8 @@
 `worker.sglang.SGLangClient`, and its errors, without a thread per request.
 
 A minimal HTTP/1.1 client on asyncio streams, for the one request the loop sends: a POST
-of JSON, whose whole answer comes at once (not streamed) with a Content-Length or chunked.
+of JSON, whose whole answer comes at once (not streamed), with a Content-Length, in chunks,
+or up to the connection's end.
 Each request takes a kept-alive connection of the server's idle ones, or opens one; it goes
 back only once its answer was read to the end and the server keeps it open. Every answer is
 bounded in time (its head within ``timeout_s``, its body within ``stall_timeout_s`` after
@@ -33,6 +34,7 @@ from worker.sglang import (
 
 # A response's status line and headers; also asyncio's bound on one line of a chunked body.
 HEAD_BYTES = 64 << 10
+READ_BYTES = 64 << 10
 
 
 class HttpAnswerError(Exception):
@@ -146,53 +148,30 @@ class AsyncSGLang:
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         )
         connection.writer.write(head.encode() + body)
+        await connection.writer.drain()
         raw = await asyncio.wait_for(connection.reader.readuntil(b"\r\n\r\n"), self._timeout_s)
-        status, headers = parse_head(raw)
-        bound = self._max_bytes if status == 200 else ERROR_BODY_BYTES
-        read = self._body(connection.reader, headers, bound, status == 200)
-        answer, whole = await asyncio.wait_for(read, self._stall_s)
-        keep = whole and headers.get("connection", "").lower() != "close"
+        status, version, headers = parse_head(raw)
+        read = _Body(
+            connection.reader,
+            deadline=time.monotonic() + self._stall_s,
+            bound=self._max_bytes if status == 200 else ERROR_BODY_BYTES,
+        )
+        try:
+            answer, whole = await read.body(headers)
+        except TimeoutError:
+            raise AttemptError(
+                f"{self.server.name}: the answer took over {self._stall_s:g} s to arrive "
+                f"after its headers ({read.size} bytes so far): a stalled or dripping server",
+                retryable=True,
+                kind=ErrorKind.STALLED,
+            ) from None
+        except _TooLarge as refused:
+            if status == 200:  # an error body is only shown: its start is enough
+                raise self._too_large(str(refused)) from None
+            answer, whole = refused.start, False
+        # HTTP/1.1 keeps the connection unless told otherwise; HTTP/1.0 closes it.
+        keep = whole and version == "HTTP/1.1" and headers.get("connection", "") != "close"
         return status, answer, keep
-
-    async def _body(
-        self, reader: asyncio.StreamReader, headers: dict[str, str], bound: int, strict: bool
-    ) -> tuple[bytes, bool]:
-        """The body and whether it was read to its end. Past ``bound``: an answer
-        (``strict``) is refused unread, an error body cut there."""
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            return await self._chunked(reader, bound, strict)
-        declared = headers.get("content-length", "")
-        if not declared.isdigit():
-            raise HttpAnswerError("an answer with neither Content-Length nor chunks")
-        size = int(declared)
-        if size > bound:
-            if strict:
-                raise self._too_large(f"declares {size} bytes")
-            return await reader.readexactly(bound), False
-        return await reader.readexactly(size), True
-
-    async def _chunked(
-        self, reader: asyncio.StreamReader, bound: int, strict: bool
-    ) -> tuple[bytes, bool]:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            line = await reader.readuntil(b"\r\n")
-            try:
-                length = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise HttpAnswerError(f"a bad chunk size line: {line[:40]!r}") from None
-            if length == 0:
-                while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
-                    pass
-                return b"".join(chunks), True
-            size += length
-            if size > bound:
-                if strict:
-                    raise self._too_large(f"went past {bound} bytes")
-                return b"".join(chunks), False
-            chunks.append(await reader.readexactly(length))
-            await reader.readexactly(2)
 
     def _too_large(self, what: str) -> AttemptError:
         """As the threaded client says it: no answer to a request is legally that large."""
@@ -210,8 +189,9 @@ class AsyncSGLang:
             connection.close()
 
 
-def parse_head(raw: bytes) -> tuple[int, dict[str, str]]:
-    """The status code and the headers (names in lower case) of a response's head."""
+def parse_head(raw: bytes) -> tuple[int, str, dict[str, str]]:
+    """The status code, the HTTP version and the headers (names and the values that are
+    tokens in lower case) of a response's head."""
     lines = raw.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
@@ -221,4 +201,80 @@ def parse_head(raw: bytes) -> tuple[int, dict[str, str]]:
         name, sep, value = line.partition(":")
         if sep:
             headers[name.strip().lower()] = value.strip()
-    return int(parts[1]), headers
+    for token in ("connection", "transfer-encoding"):
+        if token in headers:
+            headers[token] = headers[token].lower()
+    return int(parts[1]), parts[0], headers
+
+
+class _TooLarge(Exception):
+    """A body past its bound; ``start``: what was read of it."""
+
+    def __init__(self, what: str, start: bytes) -> None:
+        super().__init__(what)
+        self.start = start
+
+
+class _Body:
+    """A response body read within a deadline (TimeoutError past it) and a size bound
+    (_TooLarge past it, refused unread when its length says so): by its Content-Length, in
+    chunks, or until the server closes the connection."""
+
+    def __init__(self, reader: asyncio.StreamReader, *, deadline: float, bound: int) -> None:
+        self._reader = reader
+        self._deadline = deadline
+        self._bound = bound
+        self._chunks: list[bytes] = []
+        self.size = 0
+
+    async def body(self, headers: dict[str, str]) -> tuple[bytes, bool]:
+        """The body, and whether the connection may carry another request after it."""
+        if headers.get("transfer-encoding") == "chunked":
+            await self._chunked()
+            return b"".join(self._chunks), True
+        declared = headers.get("content-length", "")
+        if declared.isdigit():
+            if int(declared) > self._bound:
+                raise _TooLarge(f"declares {declared} bytes", b"")
+            await self._exactly(int(declared))
+            return b"".join(self._chunks), True
+        while await self._some():  # no length: the body ends when the connection does
+            pass
+        return b"".join(self._chunks), False
+
+    async def _wait(self, read: Any) -> Any:
+        return await asyncio.wait_for(read, max(0.0, self._deadline - time.monotonic()))
+
+    def _add(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > self._bound:
+            raise _TooLarge(f"went past {self._bound} bytes", b"".join(self._chunks))
+        self._chunks.append(data)
+
+    async def _some(self) -> bool:
+        data: bytes = await self._wait(self._reader.read(READ_BYTES))
+        self._add(data)
+        return bool(data)
+
+    async def _exactly(self, size: int) -> None:
+        end = self.size + size
+        while self.size < end:
+            data: bytes = await self._wait(self._reader.read(min(READ_BYTES, end - self.size)))
+            if not data:
+                raise asyncio.IncompleteReadError(b"", end - self.size)
+            self._add(data)
+
+    async def _chunked(self) -> None:
+        while True:
+            line: bytes = await self._wait(self._reader.readuntil(b"\r\n"))
+            try:
+                length = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise HttpAnswerError(f"a bad chunk size line: {line[:40]!r}") from None
+            if length == 0:
+                while await self._wait(self._reader.readuntil(b"\r\n")) != b"\r\n":
+                    pass  # trailers
+                return
+            await self._exactly(length)
+            if await self._wait(self._reader.readexactly(2)) != b"\r\n":
+                raise HttpAnswerError("a chunk not ended by CRLF")

@@ -315,9 +315,9 @@ class LoopWorker:
         message = wire.read(raw)
         if message is None:
             log.warning(
-                "dropped a message on queue %s that is not an eaglegen job: %.200r",
+                "dropped a message on queue %s: %s",
                 self.ctx.settings.queue,
-                raw,
+                wire.refusal(raw),
             )
         elif message.eta is not None and message.eta > now:
             heapq.heappush(self._held, (message.eta, next(self._order), message))

@@ -25,6 +25,9 @@ from producer.template import Templater
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from tests.hostile import Answer, Behaviour, good, hostile_server
 from tests.integration.test_pipeline import worker
+from tests.workers import EACH_ENGINE
+
+pytestmark = EACH_ENGINE
 
 VOCAB = Templater(TOKENIZER_DIR).vocab_size()
 LIMIT = 1 << 20  # max_response_bytes in these tests

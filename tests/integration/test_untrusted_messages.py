@@ -19,6 +19,9 @@ from core.wire import envelope
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from tests.integration.test_pipeline import worker
+from tests.workers import EACH_ENGINE
+
+pytestmark = EACH_ENGINE
 
 
 class Trap:
