@@ -52,7 +52,8 @@ another consumer, or another order of the same work, could reach (issue 32), mea
 same way as the pipeline. `--side loop` runs `bench.loop_path`: the same work driven from one
 event loop, its claims and records in batches, its jobs from the queue's messages as a
 feeder of its own publishes them (the batched worker of docs/design.md §7, measured before
-it is built); `--side loop-list`, from a list in memory.
+it was built); `--side loop-list`, from a list in memory. `--engine loop` runs the
+pipeline's workers on the loop engine that design became (`EAGLEGEN_WORKER_ENGINE=loop`).
 
 What is changed in bench_serving, at run time only, by a driver script written to a temp
 directory (nothing is installed into or edited in the sglang package):
@@ -88,7 +89,7 @@ Run:
     .venv/bin/python -m bench.serving [--requests 2000] [--concurrency 64,256]
         [--modes plain,stream] [--rounds 3] [--max-new-tokens 192] [--incremental]
         [--workers 1] [--side pipeline|job-path|claim-ahead|loop|loop-list]
-        [--feed-window N] [--loop-ahead N]
+        [--engine celery|loop] [--feed-window N] [--loop-ahead N]
         [--preset kimi-k2 --time-scale 0.2 | --decode-step-ms 0 --decode-ms-per-request 0]
 The simulator is a big KV pool with the decode timing given (default 10 ms a step + 0.05 ms
 a running request; 0 and 0 for a server that costs nothing, where the clients' own costs are
@@ -557,6 +558,7 @@ def start_workers(
             log if k == 1 else log.with_suffix(f".{i + 1}.log"),
             mode.stream,
             threads=math.ceil(mode.concurrency / k),
+            engine=bench.args.engine,
         )
         pids["worker" if k == 1 else f"worker{i + 1}"] = stack.enter_context(worker).pid
     return pids
@@ -568,7 +570,10 @@ def compare(bench: Bench, mode: Mode) -> list[tuple[Round, Round]]:
     log = bench.logs / f"worker-{label}.log"
     pairs = []
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{mode}: load average before {load}", flush=True)
+    side = bench.args.side + (
+        f", {bench.args.engine} engine" if bench.args.side == "pipeline" else ""
+    )
+    print(f"{mode} ({side}): load average before {load}", flush=True)
     job_path = bench.args.side != "pipeline"
     with contextlib.ExitStack() as stack:
         workers = {} if job_path else start_workers(stack, bench, mode, log)
@@ -739,6 +744,12 @@ def main() -> None:
         "path claiming each job before its slot (bench.job_path --claim-ahead), or the "
         "same work from one event loop with batched claims and records (bench.loop_path), "
         "its jobs from the queue's messages (loop) or from a list (loop-list)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["celery", "loop"],
+        default="celery",
+        help="with --side pipeline: the workers' engine (EAGLEGEN_WORKER_ENGINE)",
     )
     parser.add_argument(
         "--feed-window",

@@ -221,11 +221,13 @@ def worker_process(
     log: Path,
     stream: bool = False,
     threads: int | None = None,
+    engine: str = "celery",
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`eaglegen worker --concurrency N` with an in-flight limit of N on the simulator
     (asking for streamed answers with ``stream``); ``threads``: fewer threads than N, for
-    one of several processes sharing the limit."""
+    one of several processes sharing the limit; ``engine``: EAGLEGEN_WORKER_ENGINE."""
     env = {
+        "EAGLEGEN_WORKER_ENGINE": engine,
         "EAGLEGEN_SERVER_MAX_INFLIGHT": str(concurrency),
         # The same concurrency as the bare client, held: this compares the pipeline's cost.
         "EAGLEGEN_ADAPTIVE_CONCURRENCY": "false",

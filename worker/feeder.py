@@ -12,6 +12,7 @@ backoff is over.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -30,6 +31,14 @@ log = logging.getLogger(__name__)
 # a worker that finishes a request always finds its next message waiting.
 WINDOW_FACTOR = 2
 MIN_WINDOW = 64
+# ...or, when more, this many seconds of the messages the workers take, so that a pass comes
+# before the list runs dry however fast they take them (a worker whose server answers at
+# once takes hundreds a second, and a pass waits for its turn at the worker's interpreter);
+# the pace is the fastest seen lately, decaying by PACE_DECAY a pass, and the window at
+# most MAX_WINDOW.
+PACE_HORIZON_S = 1.0
+PACE_DECAY = 0.9
+MAX_WINDOW = 16384
 # How long `status` trusts the feeder's last report (it is rewritten at every pass).
 REPORT_TTL_S = 60
 WINDOW_TTL_S = 5.0
@@ -96,6 +105,7 @@ class Feeder:
         # Told the skipped jobs that had a message before (Flower shows their last state).
         self.on_skipped = on_skipped
         self._auto: tuple[float, int] | None = None  # (until, window) from the heartbeats
+        self._pace = 0.0  # messages taken a second, the fastest seen lately
         # When the previous pass ended and how many messages it left in the list.
         self._last: tuple[float, int] | None = None
         # Spent datasets whose skipping the log has told (told again after a budget raise).
@@ -104,10 +114,11 @@ class Feeder:
     def feed(self) -> FeedReport:
         """Once the queue list is down to half the window: skip spent datasets' jobs, then
         top it up to the window. Above half, a pass costs one LLEN and no query."""
-        window = self._window()
         in_redis = int(self.client.llen(self.publisher.queue))
         now = time.monotonic()
-        taken_per_s = self._pace(now, in_redis)
+        taken_per_s = self._taken_per_s(now, in_redis)
+        self._pace = max(taken_per_s, PACE_DECAY * self._pace)
+        window = self._window()
         if in_redis > window // 2:
             self._last = (now, in_redis)
             return self._report(FeedReport(window, in_redis, 0, 0, taken_per_s))
@@ -132,7 +143,7 @@ class Feeder:
             FeedReport(window, in_redis, published, skipped, taken_per_s, queried=True, idle=idle)
         )
 
-    def _pace(self, now: float, in_redis: int) -> float:
+    def _taken_per_s(self, now: float, in_redis: int) -> float:
         """Messages taken from the list per second since the previous pass left it."""
         if self._last is None or now <= self._last[0]:
             return 0.0
@@ -146,13 +157,14 @@ class Feeder:
 
     def _window(self) -> int:
         """The window set, else the one the live workers' heartbeats give (re-read every
-        WINDOW_TTL_S: the heartbeats change at the pace of workers starting and stopping)."""
+        WINDOW_TTL_S: the heartbeats change at the pace of workers starting and stopping)
+        or PACE_HORIZON_S of their pace, whichever is more."""
         if self.window:
             return self.window
         now = time.monotonic()
         if self._auto is None or now >= self._auto[0]:
             self._auto = (now + WINDOW_TTL_S, auto_window(self.client))
-        return self._auto[1]
+        return paced_window(self._auto[1], self._pace)
 
     def _skip(self, dataset: FeedDataset) -> int:
         count, known = self.repo.skip_spent(dataset.dataset_id)
@@ -210,11 +222,11 @@ class FeedLog:
 
     def passed(self, report: FeedReport) -> None:
         """One pass's report."""
-        if report.window != self.window:
-            if self.window is not None:
-                self._log.info(
-                    "feeder: window now %d message(s) (was %d)", report.window, self.window
-                )
+        # Said when it halves or doubles: the window follows the workers' pace, pass by pass.
+        said = self.window
+        if said is None or not said / 2 < report.window < 2 * said:
+            if said is not None:
+                self._log.info("feeder: window now %d message(s) (was %d)", report.window, said)
             self.window = report.window
         self._published += report.published
         self._skipped += report.skipped
@@ -252,6 +264,12 @@ def interleave(order: list[int], taken: dict[int, list[int]]) -> list[int]:
     dataset that yielded fewer jobs than asked for leaves its later places out)."""
     queues = {d: iter(jobs) for d, jobs in taken.items()}
     return [job for d in order if (job := next(queues.get(d, iter(())), None)) is not None]
+
+
+def paced_window(window: int, pace: float) -> int:
+    """``window``, or PACE_HORIZON_S of ``pace`` (messages taken a second) when more, within
+    MAX_WINDOW."""
+    return max(window, min(MAX_WINDOW, math.ceil(pace * PACE_HORIZON_S)))
 
 
 def auto_window(client: redis.Redis) -> int:

@@ -28,7 +28,7 @@ from producer.plan import DatasetPlan, RunPlan
 from tests.e2e.test_cli import eaglegen
 from tests.helpers import InspectRepository, wait_settled, write_jsonl
 from tests.workers import in_thread_worker
-from worker.feeder import Feeder
+from worker.feeder import MIN_WINDOW, Feeder, paced_window
 
 SEED = 20261201
 
@@ -294,3 +294,22 @@ def test_status_shows_the_window_and_the_order_seed(
     assert "window: 20 message(s) waiting in Redis (bound 20)" in shown
     assert "20 queued job(s) with a message out, 30 queued in Postgres for the feeder" in shown
     assert f"order seed {SEED}" in shown
+
+
+def test_a_window_left_to_the_feeder_holds_a_second_of_a_fast_pace_then_shrinks_back(
+    settings: Settings, repo: Repository, client: redis.Redis, tmp_path: Path
+) -> None:
+    # No worker's heartbeat: the heartbeats' window is its floor, MIN_WINDOW. Workers that
+    # take the whole of it between two passes take faster than a window a second.
+    enqueue(settings, tmp_path, {"fast": (3000, None)})
+    feed = feeder(settings, repo, window=0)  # 0: left to the feeder, as unset
+    first = feed.feed()
+    assert first.window == MIN_WINDOW and client.llen(settings.queue) == MIN_WINDOW
+    for _ in range(MIN_WINDOW):
+        assert client.rpop(settings.queue) is not None
+    second = feed.feed()
+    assert second.window == paced_window(MIN_WINDOW, second.taken_per_s) > MIN_WINDOW
+    assert client.llen(settings.queue) == second.window
+    # Nobody takes any more: the pace decays pass by pass, and the window with it.
+    windows = [feed.feed().window for _ in range(80)]
+    assert windows == sorted(windows, reverse=True) and windows[-1] == MIN_WINDOW
