@@ -104,6 +104,8 @@ bench: install
 	$(BIN)/python -m bench.serving --requests 2000 --concurrency 64,256 --rounds 3 --modes plain --decode-step-ms 0 --decode-ms-per-request 0
 	$(BIN)/python -m bench.serving --requests 3000 --concurrency 64,256 --rounds 2 --modes plain --decode-step-ms 0 --decode-ms-per-request 0 --side loop
 	$(BIN)/python -m bench.serving --requests 1000 --concurrency 64,256 --rounds 2 --modes plain --preset kimi-k2 --time-scale 0.2 --side loop
+	$(BIN)/python -m bench.serving --requests 3000 --concurrency 64,256 --rounds 2 --modes plain --decode-step-ms 0 --decode-ms-per-request 0 --engine loop
+	$(BIN)/python -m bench.serving --requests 1000 --concurrency 64,256 --rounds 2 --modes plain --preset kimi-k2 --time-scale 0.2 --engine loop
 	$(BIN)/python -m bench.worker_stalls
 	$(BIN)/python -m bench.adaptive_e2e
 	$(BIN)/python -m bench.affinity --rounds 3

@@ -20,7 +20,7 @@ from celery.contrib.testing.worker import start_worker
 from core.settings import Settings
 from worker.app import create_worker_app
 from worker.background import Background
-from worker.loop import LoopWorker, run
+from worker.loop import BATCH_CONNECTIONS, LoopWorker, run
 from worker.runner import WorkerContext, release_held
 
 # A module's tests run against each worker engine (the conftest's `worker_engine`).
@@ -69,7 +69,7 @@ def in_thread_loop_worker(
 ) -> Iterator[tuple[WorkerContext, str]]:
     """The loop engine's worker (worker.loop) on a thread of its own until the block ends,
     then stopped as SIGTERM stops it: the grace period, then the jobs still held given back."""
-    ctx = WorkerContext.build(settings, settings.services(), settings.servers)
+    ctx = WorkerContext.build(settings, settings.services(), settings.servers, BATCH_CONNECTIONS)
     name = hostname or f"eaglegen-test-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
     background = Background(ctx, None, name)
     background.start()

@@ -88,7 +88,7 @@ class AsyncSGLang:
         except (OSError, EOFError, HttpAnswerError, asyncio.LimitOverrunError) as exc:
             timeout = isinstance(exc, TimeoutError)
             raise AttemptError(
-                f"{self.server.name}: {type(exc).__name__}: {exc}",
+                f"{self.server.name}: {transport_reason(exc)}",
                 retryable=True,
                 transport=True,
                 kind=ErrorKind.TIMEOUT if timeout else ErrorKind.CONNECTION,
@@ -187,6 +187,16 @@ class AsyncSGLang:
         idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
+
+
+def transport_reason(exc: BaseException) -> str:
+    """A transport failure as the threaded client (``http.client``) names the same one, so
+    that a job's last error reads alike on either engine."""
+    if isinstance(exc, asyncio.IncompleteReadError):
+        if not exc.partial and exc.expected is None:  # not a byte of the answer's head
+            return "RemoteDisconnected: Remote end closed connection without response"
+        return f"IncompleteRead: {len(exc.partial)} bytes read, the connection closed"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def parse_head(raw: bytes) -> tuple[int, str, dict[str, str]]:

@@ -42,7 +42,7 @@ import itertools
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,9 @@ log = logging.getLogger(__name__)
 # Most jobs one claim or record batch holds: past a few dozen, a batch only holds its
 # datasets' rows longer.
 BATCH = 64
+# The Postgres connections of the claims and of the records (each used by one coroutine at a
+# time), counted in EAGLEGEN_DB_POOL_SIZE.
+BATCH_CONNECTIONS = 2
 # How long the intake waits for a message when the queue is empty (BRPOP: whole seconds on
 # older Redis servers), and for a slot when its servers are full: a slot this process gives
 # back wakes it at once, another worker's is found within the pause, which doubles up to
@@ -156,6 +159,8 @@ class LoopWorker:
         self._freeing: dict[str, list[Lease]] = {}
         self._freed = asyncio.Event()
         self._stop = asyncio.Event()
+        # The grace period ended with requests in flight: their jobs were given back.
+        self.abandoned = False
 
     # -- the run -------------------------------------------------------------------------
 
@@ -168,6 +173,7 @@ class LoopWorker:
             await self._stop.wait()
             await _finish(intake)
             await self._drain(self.ctx.settings.shutdown_grace_s)
+            self.abandoned = bool(self._attempts)
             await self._answers.put(None)
             await recorder
         finally:
@@ -236,21 +242,14 @@ class LoopWorker:
         that fails (Redis or Postgres out of reach, anything unforeseen) is said once per
         outage, as a side loop's is (worker.background), and tried again."""
         pause = FULL_POLL_S
-        failing = "worker intake failing"
         while not self._stop.is_set():
             try:
                 full = await self._intake_once()
             except Exception as exc:
-                if not self.ctx.outages.service_down(exc):
-                    self.ctx.outages.down(
-                        failing,
-                        f"{type(exc).__name__}: {one_line(exc)}",
-                        ended="worker intake works again",
-                        exc_info=exc,
-                    )
+                self._trouble("intake", exc)
                 await self._wait_freed(1.0)
                 continue
-            self.ctx.outages.up(failing)
+            self.ctx.outages.up("worker intake failing")
             if not full:
                 pause = FULL_POLL_S
                 continue
@@ -438,10 +437,30 @@ class LoopWorker:
 
     # -- attempts ------------------------------------------------------------------------
 
-    def _start(self, attempt: Any) -> None:
-        task = asyncio.create_task(attempt)
+    def _start(self, attempt: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(self._guarded(attempt))
         self._attempts.add(task)
         task.add_done_callback(self._attempts.discard)
+
+    async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run an attempt, or a record batch, to its end. An error it did not settle
+        itself (Postgres out of reach while a failure is settled, a bug) is said once per
+        outage, as a side loop's; its jobs stay in doubt: given back at shutdown, else
+        taken again once their leases lapse."""
+        try:
+            await work
+        except Exception as exc:
+            self._trouble("attempts", exc)
+
+    def _trouble(self, part: str, exc: Exception) -> None:
+        """Said as `worker.background` says a side loop's failure."""
+        if not self.ctx.outages.service_down(exc):
+            self.ctx.outages.down(
+                f"worker {part} failing",
+                f"{type(exc).__name__}: {one_line(exc)}",
+                ended=f"worker {part} work again",
+                exc_info=exc,
+            )
 
     async def _attempt(self, job: ClaimedJob, lease: Lease) -> None:
         """Send one claimed job on its slot; its answer to the recorder, or its failure
@@ -499,9 +518,14 @@ class LoopWorker:
         self._ended(job.id, result.outcome)
 
     def _unserved(self, job: ClaimedJob, why: str) -> None:
+        """Another model answered: the job given back, refunded, for a server of its own."""
         wait = self.ctx.settings.health_interval_s
-        self.ctx.repo.release(job.id, self.ctx.name, why, refund=True, retry_in_s=wait)
-        self.ctx.end_attempt(job.id, True)
+        settled = False
+        try:
+            self.ctx.repo.release(job.id, self.ctx.name, why, refund=True, retry_in_s=wait)
+            settled = True
+        finally:
+            self.ctx.end_attempt(job.id, settled)
         self._ended(job.id, Outcome.UNSERVED)
 
     def _ended(self, job_id: int, outcome: Outcome) -> None:
@@ -555,7 +579,7 @@ class LoopWorker:
                 ending = more is None
                 batch += [] if more is None else [more]
             if batch:
-                await self._record(batch)
+                await self._guarded(self._record(batch))
 
     async def _record(self, batch: list[_Answer]) -> None:
         """One batch stored, waiting out a Postgres outage of up to one lease period (the
@@ -568,7 +592,7 @@ class LoopWorker:
                 self.ctx.end_attempt(answer.job.id, False)
                 self._ended(answer.job.id, Outcome.RETRY)
             return
-        except psycopg.Error as exc:
+        except Exception as exc:  # e.g. an id beyond int32, which Postgres cannot hold
             if len(batch) > 1:
                 for answer in batch:
                     await self._record([answer])
@@ -692,7 +716,9 @@ def start(
             format="[%(asctime)s: %(levelname)s/%(processName)s] %(message)s",
         )
     quiet_request_logs(loglevel)
-    ctx = WorkerContext.build(settings, services, settings.servers if servers is None else servers)
+    ctx = WorkerContext.build(
+        settings, services, settings.servers if servers is None else servers, BATCH_CONNECTIONS
+    )
     conflicts = ctx.hold_server_names()
     if conflicts:
         ctx.close()
@@ -700,12 +726,16 @@ def start(
     if (eviction := eviction_warning(ctx.redis)) is not None:
         log.warning("%s", eviction)
     name = nodename([s.name for s in ctx.router.servers], None if pinned is None else pinned.node)
+    pool = settings.db_pool_size
     log.warning(
-        "worker %s (loop engine): at most %d Postgres connections for claims and records, "
-        "%d for its side loops (EAGLEGEN_DB_POOL_SIZE) and one for job leases",
+        "worker %s (loop engine): at most %d Postgres connections (EAGLEGEN_DB_POOL_SIZE; %d "
+        "for its claims and records, %d for the rest) and one for job leases; up to %d "
+        "requests in flight (EAGLEGEN_WORKER_CONCURRENCY)",
         name,
-        2,
-        settings.db_pool_size,
+        max(pool, BATCH_CONNECTIONS + 1),
+        BATCH_CONNECTIONS,
+        max(1, pool - BATCH_CONNECTIONS),
+        ctx.threads,
     )
     exporter = None if metrics_port is None else metrics.serve(ctx.metrics, metrics_port)
     background = Background(ctx, None, name, pinned)
@@ -721,7 +751,15 @@ def start(
         drain = ctx.begin_stop()
         held = release_held(ctx)
         drain.released(held)
-        kept = f"; released {len(held)} job(s) it still held: {held}" if held else ""
-        log.warning("worker stopped: %s%s", drain.summary, kept)
+        if worker.abandoned:  # as the Celery engine says it
+            log.warning(
+                "grace period over: released %s running job(s)%s; worker stopped: %s",
+                len(held),
+                f": {held}" if held else "",
+                drain.summary,
+            )
+        else:
+            kept = f"; released {len(held)} job(s) it still held: {held}" if held else ""
+            log.warning("worker stopped: %s%s", drain.summary, kept)
         ctx.close()
     return 0

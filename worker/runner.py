@@ -50,16 +50,18 @@ DATABASE_UNAVAILABLE = (OperationalError, SQLTimeoutError)
 DB_HOLD_LIMIT_MS = 5000
 
 
-def worker_engine(database_url: str, settings: Settings) -> Engine:
+def worker_engine(database_url: str, settings: Settings, held_apart: int = 0) -> Engine:
     """The engine of a worker process: a small pool threads wait on, asynchronous commits,
-    and Postgres ending any session that holds a lock too long (DB_HOLD_LIMIT_MS).
+    and Postgres ending any session that holds a lock too long (DB_HOLD_LIMIT_MS). Its pool
+    is EAGLEGEN_DB_POOL_SIZE less the ``held_apart`` connections the process opens beside
+    it (the loop engine's two), at least one.
 
     No ping before each transaction: it was a round trip of every two a job makes. After a
     Postgres restart the first transaction on a stale connection fails like the outage
     itself (the attempt is retried, DATABASE_UNAVAILABLE) and the pool is renewed."""
     return make_engine(
         database_url,
-        pool_size=settings.db_pool_size,
+        pool_size=max(1, settings.db_pool_size - held_apart),
         max_overflow=0,
         async_commit=True,
         hold_limit_ms=DB_HOLD_LIMIT_MS,
@@ -178,12 +180,17 @@ class WorkerContext:
 
     @classmethod
     def build(
-        cls, settings: Settings, services: Services, servers: list[ServerSpec]
+        cls,
+        settings: Settings,
+        services: Services,
+        servers: list[ServerSpec],
+        held_apart: int = 0,
     ) -> WorkerContext:
-        """Engine, repository, Redis and one HTTP client per attached server."""
+        """Engine, repository, Redis and one HTTP client per attached server; ``held_apart``:
+        the Postgres connections the process opens beside the engine's (`worker_engine`)."""
         if not servers:
             raise ValueError("no SGLang servers: set EAGLEGEN_SERVERS or pass --server URL")
-        engine = worker_engine(services.database_url, settings)
+        engine = worker_engine(services.database_url, settings, held_apart)
         client = worker_redis(services.broker_url)
         attached = [
             Server(

@@ -47,9 +47,11 @@ def private_postgres(tmp_path: Path) -> Iterator[PrivatePostgres]:
 
 
 @pytest.fixture
-def fast_settings(database_url: str, private_redis: PrivateRedis, tmp_path: Path) -> Settings:
-    """This test's database, its own Redis and short intervals."""
-    return fault_settings(database_url, private_redis.url, tmp_path)
+def fast_settings(
+    database_url: str, private_redis: PrivateRedis, tmp_path: Path, worker_engine: str
+) -> Settings:
+    """This test's database, its own Redis, its workers' engine and short intervals."""
+    return fault_settings(database_url, private_redis.url, tmp_path, worker_engine)
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ FAST_KNOBS: dict[str, Any] = {
     "max_attempts": 5,
 }
 # What a worker subprocess reads from EAGLEGEN_<NAME> (the servers come as --server flags).
-_ENV_KNOBS = ("database_url", "broker_url", "queue", "data_dir", *FAST_KNOBS)
+_ENV_KNOBS = ("database_url", "broker_url", "queue", "data_dir", "worker_engine", *FAST_KNOBS)
 _EXPIRED = re.compile(r"'expired_leases': (\d+)")
 _REPUBLISHED = re.compile(r"'republished': (\d+)")
 IDS = special_ids(TOKENIZER_DIR)
@@ -115,9 +115,13 @@ def make_repo(settings: Settings) -> Repository:
     return InspectRepository(make_engine(settings.database_url, pool_size=2))
 
 
-def fault_settings(database_url: str, broker_url: str, tmp_path: Path) -> Settings:
-    """Settings of one fault test: its services, its own queue and the fast knobs."""
+def fault_settings(
+    database_url: str, broker_url: str, tmp_path: Path, worker_engine: str = "celery"
+) -> Settings:
+    """Settings of one fault test: its services, its own queue, its workers' engine and the
+    fast knobs."""
     return Settings(
+        worker_engine=worker_engine,
         database_url=database_url,
         broker_url=broker_url,
         data_dir=tmp_path / "data",

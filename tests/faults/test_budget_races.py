@@ -21,8 +21,9 @@ from tests.faults.harness import (
     wait_for,
     wait_settled,
 )
+from tests.workers import EACH_ENGINE
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, EACH_ENGINE]
 
 MAX_NEW = 64
 # Natural lengths around 40 tokens: some answers stop early, some are cut at MAX_NEW.

@@ -40,8 +40,9 @@ from tests.faults.harness import (
 )
 from tests.helpers import enqueue_file, write_jsonl
 from tests.integration.test_conversations import chat
+from tests.workers import EACH_ENGINE
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, EACH_ENGINE]
 
 ROWS = 60
 # How long Postgres stays down: the workers, the feeder and the advancer must ride it out.
@@ -146,13 +147,14 @@ def test_postgres_restarted_mid_conversations_loses_and_duplicates_no_turn(
     sim: SimServer,
     fleet_factory: FleetFactory,
     tmp_path: Path,
+    worker_engine: str,
 ) -> None:
     """Postgres stopped and started while turns wait for their next and turns run: every
     connection is cut, the advancer's pass and the turns' records among them; the workers
     reconnect, leases expire, and each turn's job still comes into being once."""
     started = time.monotonic()
     upgrade(private_postgres.url)
-    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path)
+    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path, worker_engine)
     repo = make_repo(settings)
     fleet = fleet_factory(settings, [f"sim={sim.url}"])
     try:

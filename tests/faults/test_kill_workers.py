@@ -20,8 +20,9 @@ from tests.faults.harness import (
     wait_for,
     wait_settled,
 )
+from tests.workers import EACH_ENGINE
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, EACH_ENGINE]
 
 JOBS = 2000
 KILLS = 6

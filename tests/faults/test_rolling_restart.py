@@ -24,8 +24,9 @@ from tests.faults.harness import (
     wait_for,
     wait_settled,
 )
+from tests.workers import EACH_ENGINE
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, EACH_ENGINE]
 
 # Each request takes this long, far inside the grace period a drain gives running jobs
 # (a loaded CI machine must not turn finishing into giving back).

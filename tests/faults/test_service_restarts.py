@@ -32,9 +32,10 @@ from tests.faults.harness import (
     wait_settled,
     worker_env,
 )
+from tests.workers import EACH_ENGINE
 from worker.transport import Channel
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, EACH_ENGINE]
 
 JOBS = 600
 DOWNTIME_S = 2.0
@@ -88,10 +89,11 @@ def test_postgres_restarted_mid_run_loses_nothing(
     sim: SimServer,
     fleet_factory: FleetFactory,
     tmp_path: Path,
+    worker_engine: str,
 ) -> None:
     """Every connection is cut; workers reconnect (pool_pre_ping) and leases recover."""
     upgrade(private_postgres.url)
-    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path)
+    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path, worker_engine)
     repo = make_repo(settings)
     fleet = fleet_factory(settings, [f"sim={sim.url}"])
     try:
@@ -131,6 +133,7 @@ def test_workers_fit_a_postgres_of_few_connections_and_leave_some_for_commands(
     sim: SimServer,
     fleet_factory: FleetFactory,
     tmp_path: Path,
+    worker_engine: str,
 ) -> None:
     """Three workers of 64 threads against max_connections = 30: each opened up to 64 before."""
     plain = libpq_url(private_postgres.url)
@@ -139,7 +142,7 @@ def test_workers_fit_a_postgres_of_few_connections_and_leave_some_for_commands(
     private_postgres.stop()
     private_postgres.start()
     upgrade(private_postgres.url)
-    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path)
+    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path, worker_engine)
     settings = settings.model_copy(update={"worker_concurrency": 64})
     repo = make_repo(settings)
     fleet = fleet_factory(settings, [f"sim={sim.url}"])

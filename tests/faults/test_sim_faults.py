@@ -15,8 +15,9 @@ from eaglegen.sim import FaultConfig, SimConfig, SimServer
 from models.repository import Repository
 from tests.faults.conftest import FleetFactory
 from tests.faults.harness import Fleet, report, seed_jobs, state_counts, wait_settled
+from tests.workers import EACH_ENGINE
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, EACH_ENGINE]
 
 JOBS = 300
 LEAK_JOBS = 60

@@ -23,8 +23,9 @@ from tests.faults.harness import (
     wait_for,
     wait_settled,
 )
+from tests.workers import EACH_ENGINE
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, EACH_ENGINE]
 
 FAST = SimConfig(seed=9, decode_step_ms=0.5, decode_ms_per_request=0.02)
 SimFactory = Callable[[SimConfig], SimServer]

@@ -16,8 +16,9 @@ from tests.faults.harness import (
     seed_jobs,
     wait_settled,
 )
+from tests.workers import EACH_ENGINE
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, EACH_ENGINE]
 
 JOBS = 1500
 # Filler that keeps the Redis at its maxmemory, so that every write evicts something.
