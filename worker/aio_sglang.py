@@ -2,8 +2,8 @@
 `worker.sglang.SGLangClient`, and its errors, without a thread per request.
 
 A minimal HTTP/1.1 client on asyncio streams, for the one request the loop sends: a POST
-of JSON, whose whole answer comes at once (not streamed), with a Content-Length, in chunks,
-or up to the connection's end.
+of JSON, whose answer comes with a Content-Length, in chunks, or up to the connection's end;
+streamed, its events folded into one answer as they arrive (worker.stream).
 Each request takes a kept-alive connection of the server's idle ones, or opens one; it goes
 back only once its answer was read to the end and the server keeps it open. Every answer is
 bounded in time (its head within ``timeout_s``, its body within ``stall_timeout_s`` after
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,6 +31,7 @@ from worker.sglang import (
     error_message,
     generate_payload,
 )
+from worker.stream import Assembler, EventSplitter
 
 # A response's status line and headers; also asyncio's bound on one line of a chunked body.
 HEAD_BYTES = 64 << 10
@@ -77,14 +78,25 @@ class AsyncSGLang:
         self._idle: list[_Connection] = []
 
     async def generate(
-        self, input_ids: Sequence[int], sampling_params: dict[str, Any], rid: str
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        *,
+        stream: bool = False,
     ) -> Any:
-        """POST /generate; the parsed answer, or AttemptError (retryable or not)."""
-        body = orjson.dumps(generate_payload(input_ids, sampling_params, rid))
+        """POST /generate; the parsed answer, or AttemptError (retryable or not). Streamed
+        (``stream``), the chunks folded into the one body a whole answer is
+        (worker.stream), and silence past ``stall_timeout_s`` fails it."""
+        payload = generate_payload(input_ids, sampling_params, rid)
+        if stream:
+            payload["stream"] = True
         connection = await self._connection()
         reusable = False
         try:
-            status, answer, reusable = await self._exchange(connection, body)
+            status, answer, reusable = await self._exchange(
+                connection, orjson.dumps(payload), stream
+            )
         except (OSError, EOFError, HttpAnswerError, asyncio.LimitOverrunError) as exc:
             timeout = isinstance(exc, TimeoutError)
             raise AttemptError(
@@ -99,6 +111,8 @@ class AsyncSGLang:
                 self._idle.append(connection)
             else:
                 connection.close()
+        if isinstance(answer, dict):  # streamed, folded and parsed already
+            return answer
         if status != 200:
             raise AttemptError(
                 f"{self.server.name}: HTTP {status}: {error_message(answer)}",
@@ -140,24 +154,35 @@ class AsyncSGLang:
             ) from exc
         return _Connection(reader, writer)
 
-    async def _exchange(self, connection: _Connection, body: bytes) -> tuple[int, bytes, bool]:
-        """Send the request; the status, the body (an error's cut to ERROR_BODY_BYTES) and
-        whether the connection may be used again."""
+    async def _exchange(
+        self, connection: _Connection, body: bytes, stream: bool
+    ) -> tuple[int, bytes | dict[str, Any], bool]:
+        """Send the request; the status, the body (an error's cut to ERROR_BODY_BYTES; a
+        streamed answer folded) and whether the connection may be used again."""
         head = (
             f"POST {self._path} HTTP/1.1\r\nHost: {self._host}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         )
         connection.writer.write(head.encode() + body)
         await connection.writer.drain()
-        raw = await asyncio.wait_for(connection.reader.readuntil(b"\r\n\r\n"), self._timeout_s)
+        # A streamed answer shows progress, so silence longer than a stall is one; a whole
+        # answer's head comes only at the end of its generation (as the threaded client).
+        wait = self._stall_s if stream else self._timeout_s
+        raw = await asyncio.wait_for(connection.reader.readuntil(b"\r\n\r\n"), wait)
         status, version, headers = parse_head(raw)
-        read = _Body(
-            connection.reader,
-            deadline=time.monotonic() + self._stall_s,
-            bound=self._max_bytes if status == 200 else ERROR_BODY_BYTES,
-        )
+        # HTTP/1.1 keeps the connection unless told otherwise; HTTP/1.0 closes it.
+        keep = version == "HTTP/1.1" and headers.get("connection", "") != "close"
+        if stream and status == 200:
+            folded = _Streamed(self._max_bytes, self._stall_s)
+            whole = await _Body(connection.reader, folded.feed, read_timeout=self._stall_s).read(
+                headers
+            )
+            return status, folded.answer(), keep and whole
+        bound = self._max_bytes if status == 200 else ERROR_BODY_BYTES
+        collect = _Collect(bound)
+        read = _Body(connection.reader, collect, deadline=time.monotonic() + self._stall_s)
         try:
-            answer, whole = await read.body(headers)
+            whole = await read.read(headers, declared_bound=bound)
         except TimeoutError:
             raise AttemptError(
                 f"{self.server.name}: the answer took over {self._stall_s:g} s to arrive "
@@ -168,10 +193,8 @@ class AsyncSGLang:
         except _TooLarge as refused:
             if status == 200:  # an error body is only shown: its start is enough
                 raise self._too_large(str(refused)) from None
-            answer, whole = refused.start, False
-        # HTTP/1.1 keeps the connection unless told otherwise; HTTP/1.0 closes it.
-        keep = whole and version == "HTTP/1.1" and headers.get("connection", "") != "close"
-        return status, answer, keep
+            return status, collect.body(), False
+        return status, collect.body(), keep and whole
 
     def _too_large(self, what: str) -> AttemptError:
         """As the threaded client says it: no answer to a request is legally that large."""
@@ -196,6 +219,8 @@ def transport_reason(exc: BaseException) -> str:
         if not exc.partial and exc.expected is None:  # not a byte of the answer's head
             return "RemoteDisconnected: Remote end closed connection without response"
         return f"IncompleteRead: {len(exc.partial)} bytes read, the connection closed"
+    if isinstance(exc, TimeoutError) and not str(exc):  # asyncio's says nothing
+        return "TimeoutError: timed out"
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -225,45 +250,91 @@ class _TooLarge(Exception):
         self.start = start
 
 
-class _Body:
-    """A response body read within a deadline (TimeoutError past it) and a size bound
-    (_TooLarge past it, refused unread when its length says so): by its Content-Length, in
-    chunks, or until the server closes the connection."""
+class _Collect:
+    """A body kept whole, up to ``bound`` bytes (_TooLarge past it)."""
 
-    def __init__(self, reader: asyncio.StreamReader, *, deadline: float, bound: int) -> None:
-        self._reader = reader
-        self._deadline = deadline
+    def __init__(self, bound: int) -> None:
         self._bound = bound
         self._chunks: list[bytes] = []
+        self._size = 0
+
+    def __call__(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > self._bound:
+            raise _TooLarge(f"went past {self._bound} bytes", self.body())
+        self._chunks.append(data)
+
+    def body(self) -> bytes:
+        return b"".join(self._chunks)
+
+
+class _Streamed:
+    """A streamed answer's bytes, split into events and folded as they arrive."""
+
+    def __init__(self, max_bytes: int, stall_s: float) -> None:
+        self._events = EventSplitter(max_event_bytes=max_bytes, stall_s=stall_s)
+        self._assembler = Assembler()
+
+    def feed(self, data: bytes) -> None:
+        for event in self._events.feed(data):
+            if not self._assembler.done:  # what follows [DONE] is read, not taken
+                self._assembler.add(event)
+
+    def answer(self) -> dict[str, Any]:
+        return self._assembler.answer()
+
+
+class _Body:
+    """A response body, each piece handed to ``sink`` as it arrives, read by its
+    Content-Length, in chunks, or until the server closes the connection; within a
+    ``deadline`` for the whole, or ``read_timeout`` for each read (TimeoutError past
+    either)."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        sink: Callable[[bytes], None],
+        *,
+        deadline: float | None = None,
+        read_timeout: float | None = None,
+    ) -> None:
+        self._reader = reader
+        self._sink = sink
+        self._deadline = deadline
+        self._read_timeout = read_timeout
         self.size = 0
 
-    async def body(self, headers: dict[str, str]) -> tuple[bytes, bool]:
-        """The body, and whether the connection may carry another request after it."""
+    async def read(self, headers: dict[str, str], declared_bound: int | None = None) -> bool:
+        """Read the body to its end; whether the connection may carry another request.
+        A Content-Length over ``declared_bound`` is refused unread (_TooLarge)."""
         if headers.get("transfer-encoding") == "chunked":
             await self._chunked()
-            return b"".join(self._chunks), True
+            return True
         declared = headers.get("content-length", "")
         if declared.isdigit():
-            if int(declared) > self._bound:
+            if declared_bound is not None and int(declared) > declared_bound:
                 raise _TooLarge(f"declares {declared} bytes", b"")
             await self._exactly(int(declared))
-            return b"".join(self._chunks), True
+            return True
         while await self._some():  # no length: the body ends when the connection does
             pass
-        return b"".join(self._chunks), False
+        return False
 
     async def _wait(self, read: Any) -> Any:
-        return await asyncio.wait_for(read, max(0.0, self._deadline - time.monotonic()))
+        timeout = self._read_timeout
+        if self._deadline is not None:
+            left = max(0.0, self._deadline - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
+        return await asyncio.wait_for(read, timeout)
 
     def _add(self, data: bytes) -> None:
         self.size += len(data)
-        if self.size > self._bound:
-            raise _TooLarge(f"went past {self._bound} bytes", b"".join(self._chunks))
-        self._chunks.append(data)
+        self._sink(data)
 
     async def _some(self) -> bool:
         data: bytes = await self._wait(self._reader.read(READ_BYTES))
-        self._add(data)
+        if data:
+            self._add(data)
         return bool(data)
 
     async def _exactly(self, size: int) -> None:

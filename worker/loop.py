@@ -1,10 +1,10 @@
 """The loop engine (``EAGLEGEN_WORKER_ENGINE=loop``): every request of a worker process on one
 asyncio event loop, its messages taken, its slots leased and its jobs claimed and recorded in
-batches (docs/design.md §7, "What a job costs, and what a batched worker changes").
+batches (docs/design.md §7, "What a job costs, and the loop engine").
 
 The Celery engine runs each message as a task on a thread of its own, and pays per job for
 the thread, the task's bookkeeping, and its own slot, claim and record round trips: where the
-server answers at once, a third of what SGLang's own client reaches (BENCHMARKS.md). Here
+server answers at once, far below what SGLang's own client reaches (BENCHMARKS.md). Here
 one loop does what those threads did, in four parts:
 
 - the **intake** takes as many messages as its servers have slots free: due messages held
@@ -28,8 +28,8 @@ A message is taken off the queue with ``RPOP``, not through kombu's unacked inde
 process took and never claimed (it was killed) is published again by the reconciler, as a
 dead Celery worker's prefetched messages are. Those it holds when it stops are pushed back.
 
-What it does not do (yet): stream answers (``EAGLEGEN_STREAM=true`` is refused), or send
-per-task events to Flower (the worker's heartbeat and ``eaglegen status`` show it).
+What it does not do: send per-task events to Flower (the worker's heartbeat, its metrics
+and ``eaglegen status`` show its work).
 """
 
 from __future__ import annotations
@@ -472,8 +472,10 @@ class LoopWorker:
         failure: AttemptError | None = None
         with self.ctx.metrics.request(server.name) as request:
             try:
+                # Streamed as the threaded client would (EAGLEGEN_STREAM, else as the
+                # server streams: worker.servers decides it when it identifies the server).
                 body = await self._clients[server.name].generate(
-                    job.input_ids, job.sampling_params, str(job.id)
+                    job.input_ids, job.sampling_params, str(job.id), stream=server.client.streaming
                 )
                 record = checked_answer(body, job, server.name)
             except AttemptError as error:
@@ -705,11 +707,6 @@ def start(
     from worker.app import nodename, quiet_request_logs
     from worker.background import Background
 
-    if settings.stream:
-        raise ValueError(
-            "EAGLEGEN_STREAM=true: the loop engine does not stream answers yet; leave "
-            "streaming unset or use EAGLEGEN_WORKER_ENGINE=celery"
-        )
     if not logging.getLogger().handlers:  # as Celery's worker sets it up
         logging.basicConfig(
             level=loglevel.upper(),

@@ -28,38 +28,58 @@ def events(
     stall_s: float,
     clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[bytes]:
-    """The ``data:`` payloads of an event stream, each as soon as it is complete.
+    """The ``data:`` payloads of an event stream, each as soon as it is complete
+    (`EventSplitter` on each chunk)."""
+    splitter = EventSplitter(max_event_bytes=max_event_bytes, stall_s=stall_s, clock=clock)
+    for chunk in chunks:
+        yield from splitter.feed(chunk)
+
+
+class EventSplitter:
+    """Splits an event stream, fed as its bytes arrive, into its ``data:`` payloads.
 
     A stream that sends bytes but no complete event for ``stall_s`` (a drip) fails, and so
     does an event larger than ``max_event_bytes``; complete silence is the read timeout's.
     """
-    pending = bytearray()
-    last_event = clock()
-    for chunk in chunks:
+
+    def __init__(
+        self, *, max_event_bytes: int, stall_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._max = max_event_bytes
+        self._stall_s = stall_s
+        self._clock = clock
+        self._pending = bytearray()
+        self._last_event = clock()
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The payloads ``chunk`` completes."""
+        pending = self._pending
         # Look for an event's end only in what is new (and the byte before it): an event that
         # arrives in many pieces is scanned once, not once per piece.
         start = max(len(pending) - 1, 0)
         pending += chunk
+        found = []
         while (end := pending.find(b"\n\n", start)) >= 0:
             event = bytes(pending[:end])
             del pending[: end + 2]
             start = 0
-            last_event = clock()
+            self._last_event = self._clock()
             if data := _data(event):
-                yield data
-        if len(pending) > max_event_bytes:
+                found.append(data)
+        if len(pending) > self._max:
             raise AttemptError(
-                f"invalid response: a streamed chunk over max_response_bytes={max_event_bytes}",
+                f"invalid response: a streamed chunk over max_response_bytes={self._max}",
                 retryable=False,
                 kind=ErrorKind.TOO_LARGE,
             )
-        if clock() - last_event > stall_s:
+        if self._clock() - self._last_event > self._stall_s:
             raise AttemptError(
-                f"no streamed chunk for over {stall_s:g} s ({len(pending)} bytes of one so "
-                "far): a stalled or dripping server",
+                f"no streamed chunk for over {self._stall_s:g} s ({len(pending)} bytes of one "
+                "so far): a stalled or dripping server",
                 retryable=True,
                 kind=ErrorKind.STALLED,
             )
+        return found
 
 
 def _data(event: bytes) -> bytes:

@@ -46,8 +46,8 @@ def worker(
         typer.Option(
             envvar="EAGLEGEN_WORKER_ENGINE",
             help="celery: a task per message on Celery's threads (Flower shows each); loop: "
-            "every request on one event loop, jobs claimed and recorded in batches (a third "
-            "of the CPU a job; no streaming, turn affinity or Flower task events yet)",
+            "every request on one event loop, jobs claimed and recorded in batches (a quarter "
+            "of the CPU a job; no per-task events in Flower)",
         ),
     ] = None,
     numa_node: Annotated[

@@ -20,6 +20,9 @@ from models.schema import Dataset
 from models.states import JobState
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
 from tests.integration.test_pipeline import worker
+from tests.workers import EACH_ENGINE
+
+pytestmark = EACH_ENGINE
 
 FAST = SimConfig(seed=7, decode_step_ms=0.5, decode_ms_per_request=0.02, stream_interval=4)
 
