@@ -153,6 +153,7 @@ class LoopWorker:
         # for a slot (oldest first).
         self._held: list[tuple[float, int, wire.Message]] = []
         self._due: collections.deque[wire.Message] = collections.deque()
+        self._due_since = 0.0  # when the first of them began to wait for a slot
         self._order = itertools.count()
         self._attempts: set[asyncio.Task[None]] = set()
         self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
@@ -211,12 +212,14 @@ class LoopWorker:
             else:
                 await asyncio.sleep(min(left, 0.01))
 
-    def _push_back(self) -> None:
-        """Publish again the messages taken and never claimed, each at its own time."""
+    def _push_back(self, held: bool = True) -> None:
+        """Publish again the messages taken and never claimed (those waiting for a slot,
+        and with ``held`` those waiting for their eta), each at its own time."""
         now = time.time()
-        messages = [*self._due, *(m for _due, _n, m in self._held)]
+        messages = [*self._due, *((m for _due, _n, m in self._held) if held else ())]
         self._due.clear()
-        self._held.clear()
+        if held:
+            self._held.clear()
         try:
             for message in messages:
                 countdown = 0.0 if message.eta is None else max(0.0, message.eta - now)
@@ -262,14 +265,15 @@ class LoopWorker:
         for it (True: wait for one)."""
         router = self.ctx.router
         ready = [s for s in router.servers if s.healthy and s.served is not None]
-        # What the servers' limits leave, within the process's own cap (its "threads",
+        # The slots free on its servers now, every worker's counted (one Redis call a
+        # server: a worker sharing a server takes no message another worker's requests
+        # leave no room for), within the process's own cap (its "threads",
         # EAGLEGEN_WORKER_CONCURRENCY: the most requests it has in flight at once).
-        in_flight = sum(len(s.held) for s in router.servers)
-        room = min(
-            sum(max(0, router.limit(s) - len(s.held)) for s in ready),
-            self.ctx.threads - in_flight,
-        )
+        held = sum(len(s.held) for s in router.servers)
+        free = sum(room.takes - room.held for room in router.rooms())
+        room = min(free, self.ctx.threads - held)
         if room <= 0:
+            await self._give_back_waiting()
             return True
         messages = await self._take(min(room, BATCH))
         if not messages:
@@ -277,14 +281,27 @@ class LoopWorker:
         try:
             pairs = self._pair(ready, messages, await self._hints(messages))
         except BaseException:
-            self._due.extendleft(reversed(messages))
+            self._wait_for_slots(messages)
             raise
         taken = {id(message) for message, _lease in pairs}
-        self._due.extendleft(reversed([m for m in messages if id(m) not in taken]))
+        self._wait_for_slots([m for m in messages if id(m) not in taken])
         if not pairs:  # other workers took the free slots: these are first next time
             return True
         await self._claim(pairs)
         return False
+
+    def _wait_for_slots(self, messages: list[wire.Message]) -> None:
+        """Keep messages a slot was not found for, first in line for the next one."""
+        if messages and not self._due:
+            self._due_since = time.monotonic()
+        self._due.extendleft(reversed(messages))
+
+    async def _give_back_waiting(self) -> None:
+        """Messages that waited longer than EAGLEGEN_SLOT_WAIT_S for a slot (its servers
+        full, down or unidentified) go back to the queue for other workers, as the Celery
+        engine sends back a message that found no slot."""
+        if self._due and time.monotonic() - self._due_since > self.ctx.settings.slot_wait_s:
+            await asyncio.to_thread(self._push_back, held=False)
 
     async def _wait_freed(self, timeout_s: float) -> None:
         self._freed.clear()
@@ -378,7 +395,7 @@ class LoopWorker:
             for job in noted:
                 ctx.end_claim(job, False)
             self._release(leases)
-            self._due.extendleft(reversed(messages))
+            self._wait_for_slots(messages)
             return
         try:
             claims = await claim_batch(
