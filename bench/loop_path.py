@@ -7,8 +7,7 @@ too much (BENCHMARKS.md, "The job's own path with no Celery"). This process meas
 other design before anyone builds it into the worker:
 
 - one asyncio loop drives every request, each of ``--concurrency`` lanes on a keep-alive
-  connection of its own (a minimal HTTP/1.1 client on asyncio streams: SGLang answers
-  ``/generate`` with a Content-Length body, read up to the worker's bound);
+  connection of the loop engine's client (worker.aio_sglang);
 - a claimer keeps up to ``--ahead`` jobs claimed ahead (default one a lane: a whole wave's
   replacements), taken in batches by `models.attempt.claim_batch`
   (two round trips a batch). With ``--broker-url``, their ids come as a worker's do: from
@@ -51,27 +50,24 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
-import orjson
 import psycopg
 import redis
 import redis.asyncio as aioredis
-from psycopg.rows import namedtuple_row
 
 from bench.job_path import queued_jobs
 from core import wire
 from core.broker import Publisher
-from core.settings import Settings
-from core.urls import libpq_url
+from core.settings import ServerSpec, Settings
 from models.attempt import claim_batch, record_batch
 from models.db import make_engine
+from models.pg import connect_async
 from models.records import ClaimedJob, GenerationRecord
 from models.repository import Repository
+from worker.aio_sglang import AsyncSGLang
 from worker.feeder import WINDOW_FACTOR, Feeder
 from worker.retry import AttemptError
 from worker.runner import checked_answer
-from worker.sglang import generate_payload
 
 WORKER = f"loop-path@{socket.gethostname()}"
 # The worker's defaults: its lease, its bound on an answer and how long it waits for one,
@@ -80,61 +76,10 @@ _DEFAULTS = Settings.model_fields
 LEASE_S: int = _DEFAULTS["lease_seconds"].default
 BODY_BYTES: int = _DEFAULTS["max_response_bytes"].default
 TIMEOUT_S: float = _DEFAULTS["request_timeout_s"].default
+STALL_S: float = _DEFAULTS["stall_timeout_s"].default
 FEED_INTERVAL_S: float = _DEFAULTS["feed_interval_s"].default
-HEADER_BYTES = 64 << 10  # status line and headers; asyncio's StreamReader bound
 QUEUE = "bench-loop-path"
 QUEUE_POLL_S = 0.005  # an empty queue is asked again this soon: the feeder tops it up
-
-
-class HttpError(Exception):
-    """An answer this client will not read: not 200, not Content-Length, too large."""
-
-
-@dataclass
-class Lane:
-    """One request in flight at a time on one keep-alive connection."""
-
-    host: str
-    port: int
-    path: str
-    reader: asyncio.StreamReader | None = None
-    writer: asyncio.StreamWriter | None = None
-
-    async def post(self, body: bytes) -> bytes:
-        """POST ``body`` as JSON; the answer's body (HttpError unless 200)."""
-        if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection(
-                self.host, self.port, limit=HEADER_BYTES
-            )
-        assert self.reader is not None
-        head = (
-            f"POST {self.path} HTTP/1.1\r\nHost: {self.host}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        )
-        self.writer.write(head.encode() + body)
-        raw = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), TIMEOUT_S)
-        status, headers = _head(raw)
-        size = int(headers.get("content-length", "-1"))
-        if not 0 <= size <= BODY_BYTES:
-            raise HttpError(f"status {status}: no Content-Length within {BODY_BYTES} bytes")
-        answer = await asyncio.wait_for(self.reader.readexactly(size), TIMEOUT_S)
-        if headers.get("connection", "").lower() == "close":
-            self.writer.close()
-        if status != 200:
-            raise HttpError(f"HTTP {status}: {answer[:200]!r}")
-        return answer
-
-
-def _head(raw: bytes) -> tuple[int, dict[str, str]]:
-    """The status code and the headers (names in lower case) of a response's head."""
-    lines = raw.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    return status, headers
 
 
 class Source(Protocol):
@@ -229,30 +174,29 @@ class Loop:
         claimed: asyncio.Queue[ClaimedJob | None] = asyncio.Queue()
         answered: asyncio.Queue[tuple[ClaimedJob, GenerationRecord] | None] = asyncio.Queue()
         taken = asyncio.Event()  # a lane took a claimed job: claim more
-        url = urlsplit(self.server_url)
-        path = f"{url.path.rstrip('/')}/generate"
-        lanes = [Lane(url.hostname or "", url.port or 80, path) for _ in range(self.lanes)]
+        client = AsyncSGLang(
+            ServerSpec(name="sim", url=self.server_url),
+            timeout_s=TIMEOUT_S,
+            max_response_bytes=BODY_BYTES,
+            stall_timeout_s=STALL_S,
+        )
         async with (
             await self._connect() as claims_conn,
             await self._connect() as records_conn,
         ):
             recorder = asyncio.create_task(self._recorder(records_conn, answered))
             driving = [
-                asyncio.create_task(self._lane(lane, claimed, taken, answered)) for lane in lanes
+                asyncio.create_task(self._lane(client, claimed, taken, answered))
+                for _ in range(self.lanes)
             ]
             await self._claimer(claims_conn, claimed, taken)
             await asyncio.gather(*driving)
             await answered.put(None)
             await recorder
-        for lane in lanes:
-            if lane.writer is not None:
-                lane.writer.close()
+        client.close()
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
-        url = self.repo.engine.url.render_as_string(hide_password=False)
-        return await psycopg.AsyncConnection.connect(
-            libpq_url(url), autocommit=True, row_factory=namedtuple_row
-        )
+        return await connect_async(self.repo.engine.url.render_as_string(hide_password=False))
 
     async def _claimer(
         self,
@@ -278,30 +222,21 @@ class Loop:
 
     async def _lane(
         self,
-        lane: Lane,
+        client: AsyncSGLang,
         claimed: asyncio.Queue[ClaimedJob | None],
         taken: asyncio.Event,
         answered: asyncio.Queue[tuple[ClaimedJob, GenerationRecord] | None],
     ) -> None:
-        """Send each claimed job this lane takes; its checked answer to the recorder."""
+        """Send each claimed job this lane takes (on a kept connection of the worker's own
+        client, worker.aio_sglang); its checked answer to the recorder."""
         while (job := await claimed.get()) is not None:
             taken.set()
             try:
-                payload = generate_payload(job.input_ids, job.sampling_params, str(job.id))
-                body = await lane.post(orjson.dumps(payload))
-                record = checked_answer(orjson.loads(body), job, "sim")
-            except (
-                OSError,
-                ValueError,
-                asyncio.IncompleteReadError,
-                asyncio.LimitOverrunError,
-                HttpError,
-                AttemptError,
-            ) as exc:
-                self.ended[f"failed: {type(exc).__name__}"] += 1
-                if lane.writer is not None:
-                    lane.writer.close()
-                why = f"loop path: {type(exc).__name__}: {exc}"
+                body = await client.generate(job.input_ids, job.sampling_params, str(job.id))
+                record = checked_answer(body, job, "sim")
+            except AttemptError as exc:
+                self.ended[f"failed: {exc.kind}"] += 1
+                why = f"loop path: {exc}"
                 await asyncio.to_thread(self.repo.release, job.id, WORKER, why, refund=True)
                 continue
             answered.put_nowait((job, record))

@@ -30,6 +30,9 @@ from worker.sglang import (
     KEEPALIVE_EXPIRY_S,
     error_message,
     generate_payload,
+    stalled,
+    too_large,
+    transport_failure,
 )
 from worker.stream import Assembler, EventSplitter
 
@@ -98,13 +101,7 @@ class AsyncSGLang:
                 connection, orjson.dumps(payload), stream
             )
         except (OSError, EOFError, HttpAnswerError, asyncio.LimitOverrunError) as exc:
-            timeout = isinstance(exc, TimeoutError)
-            raise AttemptError(
-                f"{self.server.name}: {transport_reason(exc)}",
-                retryable=True,
-                transport=True,
-                kind=ErrorKind.TIMEOUT if timeout else ErrorKind.CONNECTION,
-            ) from exc
+            raise transport_failure(self.server.name, exc, transport_reason(exc)) from exc
         finally:
             if reusable:
                 connection.idle_since = time.monotonic()
@@ -146,12 +143,7 @@ class AsyncSGLang:
                 CONNECT_TIMEOUT_S,
             )
         except OSError as exc:
-            raise AttemptError(
-                f"{self.server.name}: {type(exc).__name__}: {exc}",
-                retryable=True,
-                transport=True,
-                kind=ErrorKind.TIMEOUT if isinstance(exc, TimeoutError) else ErrorKind.CONNECTION,
-            ) from exc
+            raise transport_failure(self.server.name, exc, transport_reason(exc)) from exc
         return _Connection(reader, writer)
 
     async def _exchange(
@@ -184,26 +176,12 @@ class AsyncSGLang:
         try:
             whole = await read.read(headers, declared_bound=bound)
         except TimeoutError:
-            raise AttemptError(
-                f"{self.server.name}: the answer took over {self._stall_s:g} s to arrive "
-                f"after its headers ({read.size} bytes so far): a stalled or dripping server",
-                retryable=True,
-                kind=ErrorKind.STALLED,
-            ) from None
+            raise stalled(self.server.name, self._stall_s, read.size) from None
         except _TooLarge as refused:
             if status == 200:  # an error body is only shown: its start is enough
-                raise self._too_large(str(refused)) from None
+                raise too_large(self.server.name, str(refused), self._max_bytes) from None
             return status, collect.body(), False
         return status, collect.body(), keep and whole
-
-    def _too_large(self, what: str) -> AttemptError:
-        """As the threaded client says it: no answer to a request is legally that large."""
-        return AttemptError(
-            f"invalid response: {self.server.name}: body {what}, over max_response_bytes="
-            f"{self._max_bytes}",
-            retryable=False,
-            kind=ErrorKind.TOO_LARGE,
-        )
 
     def close(self) -> None:
         """Close the kept connections."""

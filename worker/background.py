@@ -27,7 +27,6 @@ from worker.feeder import Feeder, FeedLog
 from worker.intake import INTERVAL_S as INTAKE_INTERVAL_S
 from worker.leader import Leadership
 from worker.numa import PinResult
-from worker.outages import one_line
 from worker.reconcile import reconcile
 from worker.runner import WorkerContext, heartbeat_ttl
 from worker.servers import Server, probe
@@ -127,19 +126,12 @@ class Background:
         """One pass of a side loop; whether it went through. It must outlive Redis and
         Postgres restarts, and say so once: a service out of reach is one line per outage
         (worker.outages), an error nobody foresaw its trace once, then reminders."""
-        failing = f"worker {name} loop failing"
         try:
             step()
         except Exception as exc:
-            if not self.ctx.outages.service_down(exc):
-                self.ctx.outages.down(
-                    failing,
-                    f"{type(exc).__name__}: {one_line(exc)}",
-                    ended=f"worker {name} loop works again",
-                    exc_info=exc,
-                )
+            self.ctx.outages.failed(f"{name} loop", exc)
             return False
-        self.ctx.outages.up(failing)
+        self.ctx.outages.passed(f"{name} loop")
         return True
 
     def _start_thread(self, name: str, run: Callable[[], None]) -> None:

@@ -15,7 +15,7 @@ one loop does what those threads did, in four parts:
 - an **attempt** sends the job (worker.aio_sglang), checks the answer as the Celery engine
   does (`worker.runner.checked_answer`), gives its slot back (with the other answers of
   the same turn of the loop, one Redis call) and hands the answer to the recorder. A failed
-  attempt is settled as the runner settles it (`_settle_failure`, in a thread: it may
+  attempt is settled as the runner settles it (`settle_failure`, in a thread: it may
   probe the server); so is a job whose model its slot's server does not serve (the
   runner's own path, in a thread);
 - the **recorder** stores whatever answers arrived while its last batch was written
@@ -66,12 +66,12 @@ from worker.runner import (
     SLOTS_KEPT,
     Outcome,
     WorkerContext,
-    _settle_failure,
-    _unexpected,
     checked_answer,
     give_back,
     release_held,
     run_claimed,
+    settle_failure,
+    unexpected_error,
 )
 from worker.servers import MAX_POLL_S, Lease, Server
 
@@ -249,10 +249,10 @@ class LoopWorker:
             try:
                 full = await self._intake_once()
             except Exception as exc:
-                self._trouble("intake", exc)
+                self.ctx.outages.failed("intake", exc)
                 await self._wait_freed(1.0)
                 continue
-            self.ctx.outages.up("worker intake failing")
+            self.ctx.outages.passed("intake")
             if not full:
                 pause = FULL_POLL_S
                 continue
@@ -467,17 +467,7 @@ class LoopWorker:
         try:
             await work
         except Exception as exc:
-            self._trouble("attempts", exc)
-
-    def _trouble(self, part: str, exc: Exception) -> None:
-        """Said as `worker.background` says a side loop's failure."""
-        if not self.ctx.outages.service_down(exc):
-            self.ctx.outages.down(
-                f"worker {part} failing",
-                f"{type(exc).__name__}: {one_line(exc)}",
-                ended=f"worker {part} work again",
-                exc_info=exc,
-            )
+            self.ctx.outages.failed("attempts", exc)
 
     async def _attempt(self, job: ClaimedJob, lease: Lease) -> None:
         """Send one claimed job on its slot; its answer to the recorder, or its failure
@@ -498,7 +488,7 @@ class LoopWorker:
             except AttemptError as error:
                 failure = error
             except Exception as exc:  # an answer nothing expected: this attempt ends now
-                failure = _unexpected(server, exc)
+                failure = unexpected_error(server, exc)
             if failure is not None:
                 request.failed(failure.kind)
         if failure is not None:
@@ -529,7 +519,7 @@ class LoopWorker:
         that no request goes to a server about to be marked down), in a thread."""
         settled = False
         try:
-            result = _settle_failure(self.ctx, lease.server, job, failure)
+            result = settle_failure(self.ctx, lease.server, job, failure)
             settled = True
         finally:
             self.ctx.end_attempt(job.id, settled)
@@ -617,7 +607,7 @@ class LoopWorker:
                     await self._record([answer])
                 return
             answer = batch[0]
-            failure = _unexpected(answer.server, exc)
+            failure = unexpected_error(answer.server, exc)
             await asyncio.to_thread(self._settle_recorded, answer, failure)
             return
         for answer, ok in zip(batch, stored, strict=True):
@@ -653,7 +643,7 @@ class LoopWorker:
     def _settle_recorded(self, answer: _Answer, failure: AttemptError) -> None:
         settled = False
         try:
-            result = _settle_failure(self.ctx, answer.server, answer.job, failure)
+            result = settle_failure(self.ctx, answer.server, answer.job, failure)
             settled = True
         finally:
             self.ctx.end_attempt(answer.job.id, settled)

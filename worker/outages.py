@@ -98,6 +98,22 @@ class Outages:
         if held is not None and held.ended is not None:
             self._log.warning("%s after %.0f s", held.ended, self._clock() - held.since)
 
+    def failed(self, part: str, exc: Exception) -> None:
+        """A pass of one of the worker's loops (``part``: "heartbeat loop", "intake", ...)
+        failed: a service out of reach is that service's outage; an error nobody foresaw is
+        said with its trace once, then reminded of, until `passed`."""
+        if not self.service_down(exc):
+            self.down(
+                f"worker {part} failing",
+                f"{type(exc).__name__}: {one_line(exc)}",
+                ended=f"worker {part} works again",
+                exc_info=exc,
+            )
+
+    def passed(self, part: str) -> None:
+        """A pass of that loop went through."""
+        self.up(f"worker {part} failing")
+
     def holds(self, condition: str) -> bool:
         """Whether ``condition`` holds now."""
         return condition in self._holding

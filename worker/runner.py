@@ -496,12 +496,12 @@ def _generated(ctx: WorkerContext, job: ClaimedJob, lease: Lease, held: list[Lea
             request.failed(error.kind)
             failure: AttemptError | None = error
         except Exception as exc:  # a response nothing expected: this attempt ends now
-            failure = _unexpected(server, exc)
+            failure = unexpected_error(server, exc)
             request.failed(failure.kind)
         else:
             failure = None
     if failure is not None:
-        return _settle_failure(ctx, server, job, failure)
+        return settle_failure(ctx, server, job, failure)
     held.remove(lease)
     give_back(ctx, lease)
     if changed := server.still_serves(job.run_model):  # another model answered: not the run's
@@ -513,7 +513,7 @@ def _generated(ctx: WorkerContext, job: ClaimedJob, lease: Lease, held: list[Lea
     except DATABASE_UNAVAILABLE:
         raise  # the task sends the job back; the lease covers it meanwhile
     except Exception as exc:  # e.g. an id beyond int32, which Postgres cannot hold
-        return _settle_failure(ctx, server, job, _unexpected(server, exc))
+        return settle_failure(ctx, server, job, unexpected_error(server, exc))
     if recorded:
         ctx.metrics.recorded(server.name, record.prompt_tokens, record.completion_tokens)
         return Result(Outcome.DONE, tokens=record.completion_tokens)
@@ -521,7 +521,7 @@ def _generated(ctx: WorkerContext, job: ClaimedJob, lease: Lease, held: list[Lea
     return Result(Outcome.LOST, reason="claim lost before recording; result dropped")
 
 
-def _unexpected(server: Server, exc: Exception) -> AttemptError:
+def unexpected_error(server: Server, exc: Exception) -> AttemptError:
     """An error no check foresaw, as a retryable failure of the attempt that keeps its cause
     (instead of the job waiting out its lease with "lease expired" as its only trace)."""
     detail = " ".join(str(exc).split())[:500]
@@ -578,7 +578,7 @@ def checked_answer(body: Any, job: ClaimedJob, server: str) -> GenerationRecord:
     )
 
 
-def _settle_failure(
+def settle_failure(
     ctx: WorkerContext, server: Server, job: ClaimedJob, error: AttemptError
 ) -> Result:
     # A server's own words may be in it (an error body): stored, logged and shown in Flower

@@ -113,12 +113,7 @@ class SGLangClient:
             # still hold its last chunk) and the server keeps it open.
             reusable = response.isclosed() and not response.will_close
         except (OSError, http.client.HTTPException) as exc:
-            raise AttemptError(
-                f"{self.server.name}: {type(exc).__name__}: {exc}",
-                retryable=True,
-                transport=True,
-                kind=ErrorKind.TIMEOUT if isinstance(exc, TimeoutError) else ErrorKind.CONNECTION,
-            ) from exc
+            raise transport_failure(self.server.name, exc, f"{type(exc).__name__}: {exc}") from exc
         finally:
             if reusable:
                 self._local.idle_since = time.monotonic()
@@ -163,33 +158,21 @@ class SGLangClient:
         hour-long read timeout (reset by every byte) would not catch."""
         declared = response.getheader("content-length", "")
         if declared.isdigit() and int(declared) > self._max_bytes:
-            raise self._too_large(f"declares {declared} bytes")
+            raise too_large(self.server.name, f"declares {declared} bytes", self._max_bytes)
         deadline = time.monotonic() + self._stall_s
         chunks: list[bytes] = []
         size = 0
         while chunk := response.read1(READ_BYTES):
             size += len(chunk)
             if size > self._max_bytes:
-                raise self._too_large(f"went past {self._max_bytes} bytes")
-            if time.monotonic() > deadline:
-                raise AttemptError(
-                    f"{self.server.name}: the answer took over {self._stall_s:g} s to arrive "
-                    f"after its headers ({size} bytes so far): a stalled or dripping server",
-                    retryable=True,
-                    kind=ErrorKind.STALLED,
+                raise too_large(
+                    self.server.name, f"went past {self._max_bytes} bytes", self._max_bytes
                 )
+            if time.monotonic() > deadline:
+                raise stalled(self.server.name, self._stall_s, size)
             chunks.append(chunk)
         response.read()  # nothing is left: this marks the response read to its end
         return b"".join(chunks)
-
-    def _too_large(self, what: str) -> AttemptError:
-        """The body is refused unread (no answer to a request is legally that large)."""
-        return AttemptError(
-            f"invalid response: {self.server.name}: body {what}, over max_response_bytes="
-            f"{self._max_bytes}",
-            retryable=False,
-            kind=ErrorKind.TOO_LARGE,
-        )
 
     def get(self, path: str, timeout_s: float) -> httpx.Response:
         """A GET on the server (health probes, metrics), on its own small pool: its answer
@@ -232,6 +215,36 @@ class SGLangClient:
         for connection in connections:
             connection.close()
         self._probe.close()
+
+
+def transport_failure(server: str, exc: BaseException, reason: str) -> AttemptError:
+    """A request whose connection failed: retryable, and a sign about the server."""
+    return AttemptError(
+        f"{server}: {reason}",
+        retryable=True,
+        transport=True,
+        kind=ErrorKind.TIMEOUT if isinstance(exc, TimeoutError) else ErrorKind.CONNECTION,
+    )
+
+
+def stalled(server: str, stall_s: float, size: int) -> AttemptError:
+    """A whole answer whose body did not arrive within ``stall_s`` of its headers (SGLang
+    writes it at once: a stuck or dripping server)."""
+    return AttemptError(
+        f"{server}: the answer took over {stall_s:g} s to arrive after its headers ({size} "
+        "bytes so far): a stalled or dripping server",
+        retryable=True,
+        kind=ErrorKind.STALLED,
+    )
+
+
+def too_large(server: str, what: str, max_bytes: int) -> AttemptError:
+    """A body refused unread: no answer to a request is legally that large."""
+    return AttemptError(
+        f"invalid response: {server}: body {what}, over max_response_bytes={max_bytes}",
+        retryable=False,
+        kind=ErrorKind.TOO_LARGE,
+    )
 
 
 def generate_payload(
