@@ -35,7 +35,9 @@ MIN_WINDOW = 64
 # before the list runs dry however fast they take them (a worker whose server answers at
 # once takes hundreds a second, and a pass waits for its turn at the worker's interpreter);
 # the pace is the fastest seen lately, decaying by PACE_DECAY a pass, and the window at
-# most MAX_WINDOW.
+# most MAX_WINDOW. A dataset enqueued meanwhile starts after the messages waiting, up to
+# PACE_HORIZON_S later. A window sized to one pass's hold-up instead kept the list dry too
+# often (BENCHMARKS.md, "The loop engine").
 PACE_HORIZON_S = 1.0
 PACE_DECAY = 0.9
 MAX_WINDOW = 16384

@@ -201,10 +201,15 @@ def ks_uniform(indexes: list[int], n: int) -> float:
 def test_datasets_enqueued_one_after_the_other_progress_side_by_side(
     settings: Settings, repo: InspectRepository, sim: SimServer, tmp_path: Path
 ) -> None:
+    # The window set: left to the feeder, it would hold a second of the workers' pace
+    # (worker.feeder.PACE_HORIZON_S), and a dataset enqueued mid-run starts only after the
+    # messages already waiting, up to a second later; in a run of a few seconds that lag,
+    # not the allocation this test is about, would be what it measures.
     few = settings.model_copy(
         update={
             "worker_concurrency": 4,
             "servers": [ServerSpec(name="sim", url=sim.url, max_inflight=4)],
+            "window": MIN_WINDOW,
         }
     )
     with in_thread_worker(few):
