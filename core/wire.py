@@ -49,6 +49,11 @@ def label(job_id: int, job_tag: str = "") -> str:
     return f"job {int(job_id)}{job_tag}"
 
 
+def kwargsrepr(job_id: int) -> str:
+    """A message's ``kwargsrepr``: the task's keyword arguments as Celery would show them."""
+    return f"{{'job_id': {job_id}}}"
+
+
 def tag_of(job_id: int, argsrepr: object) -> str:
     """The tag inside a label of ``job_id`` as built by ``label``, else ``""``."""
     head = label(job_id)
@@ -109,7 +114,7 @@ def envelope(
             "root_id": task_id,
             "parent_id": None,
             "argsrepr": label(job_id, job_tag),
-            "kwargsrepr": f"{{'job_id': {job_id}}}",
+            "kwargsrepr": kwargsrepr(job_id),
             "origin": origin,
             "ignore_result": None,
             "replaced_task_nesting": 0,
@@ -174,7 +179,7 @@ class EnvelopeFactory:
         serial = self._next_serial()
         values = (
             job_task_id(self.queue, job_id),
-            f"{{'job_id': {job_id}}}",
+            kwargsrepr(job_id),
             base64.b64encode(body(job_id)).decode(),
             self._tag_prefix + serial,
             f"job {job_id}{self._escape(job_tag)}",

@@ -71,9 +71,9 @@ def in_thread_loop_worker(
     then stopped as SIGTERM stops it: the grace period, then the jobs still held given back."""
     ctx = WorkerContext.build(settings, settings.services(), settings.servers, BATCH_CONNECTIONS)
     name = hostname or f"eaglegen-test-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
-    background = Background(ctx, None, name)
+    worker = LoopWorker(ctx, settings.services(), name)
+    background = Background(ctx, None, name, flower=worker.events.app)
     background.start()
-    worker = LoopWorker(ctx, settings.services())
     loops: list[asyncio.AbstractEventLoop] = []
     thread = threading.Thread(target=run, args=(worker, loops.append), name="loop-worker")
     thread.start()

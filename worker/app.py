@@ -23,7 +23,7 @@ from core.wire import TASK_GENERATE
 from worker import metrics
 from worker.background import Background
 from worker.celeryconfig import make_celery
-from worker.events import EventBatches, OpenTasks, announce_exit
+from worker.events import GIVEN_BACK, EventBatches, OpenTasks, announce_exit, sent_back
 from worker.intake import default_threads
 from worker.numa import PinResult
 from worker.outages import one_line
@@ -40,8 +40,6 @@ from worker.runner import (
 )
 
 log = logging.getLogger(__name__)
-# What Flower shows for the messages a stopping worker gives back.
-GIVEN_BACK = "worker stopped: its message went back to the queue"
 
 
 class JobFailed(Exception):
@@ -53,7 +51,7 @@ class SentBack(Retry):  # type: ignore[misc]
     slot): the task ends as RETRY, as with Celery's own ``Task.retry``, with the reason."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.message!r})"
+        return sent_back(self.message)
 
 
 class GenerateTask(Task):  # type: ignore[misc]
@@ -177,9 +175,7 @@ def _ending(ctx: WorkerContext, task: Task, job_id: int, result: Result) -> str:
     if result.outcome is Outcome.SKIPPED:
         _tell_skipped(ctx, task)
         raise Ignore()  # no task-succeeded after it: the task stays SKIPPED
-    if result.outcome is Outcome.DONE:
-        return f"done · {result.tokens:,} tokens"
-    return f"{result.outcome.value}: {result.reason}"  # a duplicate message, a lost claim
+    return result.shown()
 
 
 def _tell_skipped(ctx: WorkerContext, task: Task) -> None:

@@ -44,11 +44,14 @@ class Background:
         app: Celery | None,
         nodename: str,
         pinned: PinResult | None = None,
+        flower: Celery | None = None,
     ) -> None:
         """``app``: the Celery engine's app (None for the loop engine, worker.loop, which
-        has no consumer to pause and sends Flower no task events)."""
+        has no consumer to pause); ``flower``: the app whose events tell Flower of the
+        jobs the feeder skips (by default ``app``)."""
         self.ctx = ctx
         self.app = app
+        self.flower = app if flower is None else flower
         self.nodename = nodename
         self.pinned = pinned  # where `--numa-node` pinned this process, for the heartbeat
         self.consuming = True
@@ -283,10 +286,10 @@ class Background:
     def _announce_skipped(self, job_ids: list[int]) -> None:
         """Tell Flower that these jobs, which it saw sent back, ended skipped (as the task
         does for a job it skips itself)."""
-        if self.app is None:
+        if self.flower is None:
             return
         queue = self.ctx.settings.queue
-        with self.app.events.default_dispatcher(hostname=self.nodename) as dispatcher:
+        with self.flower.events.default_dispatcher(hostname=self.nodename) as dispatcher:
             for job_id in job_ids:
                 dispatcher.send(
                     wire.SKIPPED_EVENT,

@@ -24,22 +24,37 @@ with the reason) and says the worker left with nothing active.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery, bootsteps
 from celery.signals import task_postrun, task_received
+from celery.utils.saferepr import saferepr
 from celery.utils.sysinfo import load_average
 from celery.worker import state as worker_state
 from celery.worker.consumer.events import Events
 
+from core import wire
 from core.wire import TASK_GENERATE
+from worker.runner import SENT_BACK, Outcome, Result
 
 # How long a task event may wait in the buffer before it is published with the others.
 FLUSH_S = 0.1
 # Celery flushes at once from the sending thread when a buffer holds this many (its
 # default, 24, would flush a busy worker's buffer several times in each FLUSH_S).
 BATCH_LIMIT = 1000
+# Celery's heartbeat interval, which Flower reads with each worker event.
+HEARTBEAT_S = 2.0
+# What Flower shows for the messages a stopping worker gives back.
+GIVEN_BACK = "worker stopped: its message went back to the queue"
+
+
+def sent_back(reason: str) -> str:
+    """How a task-retried event names a job sent back (worker.app.SentBack's repr)."""
+    return f"SentBack({reason!r})"
 
 
 class EventBatches(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -118,15 +133,155 @@ class OpenTasks:
 def announce_exit(app: Celery, nodename: str, task_ids: list[str], reason: str) -> None:
     """End ``task_ids`` as sent back (RETRY, ``reason`` as the retry's only trace), then say
     the worker is offline with no task active. Best effort: Flower only shows it."""
-    exception = f"SentBack({reason!r})"
     with app.events.default_dispatcher(hostname=nodename) as dispatcher:
         for task_id in task_ids:
-            dispatcher.send("task-retried", uuid=task_id, exception=exception, traceback=reason)
-        dispatcher.send(
-            "worker-offline",
-            freq=2.0,  # Celery's heartbeat interval, which Flower reads with it
-            active=0,
-            processed=worker_state.all_total_count[0],
-            loadavg=load_average(),
-            **worker_state.SOFTWARE_INFO,
+            dispatcher.send(
+                "task-retried", uuid=task_id, **ending(Result(Outcome.RETRY, reason=reason))[1]
+            )
+        dispatcher.send("worker-offline", **worker_fields(0, worker_state.all_total_count[0]))
+
+
+def worker_fields(active: int, processed: int) -> dict[str, Any]:
+    """A worker event's fields, as Celery's heartbeat sends them."""
+    return {
+        "freq": HEARTBEAT_S,
+        "active": active,
+        "processed": processed,
+        "loadavg": load_average(),
+        **worker_state.SOFTWARE_INFO,
+    }
+
+
+def ending(result: Result) -> tuple[str, dict[str, Any]]:
+    """The event that ends a task in Flower, and its fields, as the Celery engine's task
+    ends it (worker.app): sent back (RETRY, the reason as its only trace), failed (FAILURE,
+    no trace), skipped (SKIPPED), else succeeded with the result ``Result.shown`` says."""
+    if result.outcome in SENT_BACK:
+        return "task-retried", {"exception": sent_back(result.reason), "traceback": result.reason}
+    if result.outcome is Outcome.FAILED:
+        return "task-failed", {"exception": f"JobFailed({result.reason!r})", "traceback": None}
+    if result.outcome is Outcome.SKIPPED:
+        return wire.SKIPPED_EVENT, {"result": wire.SKIPPED_RESULT}
+    return "task-succeeded", {"result": saferepr(result.shown())}
+
+
+class LoopEvents:
+    """What a loop-engine worker (worker.loop) tells Flower, where Celery's worker would:
+    its online, heartbeat (every HEARTBEAT_S, with its active and processed counts) and
+    offline events, and each task's received, started and ending events, buffered and
+    published every FLUSH_S as `EventBatches` has Celery publish them. At its close, the
+    tasks received and not ended go back as the Celery engine's `announce_exit` says.
+
+    Thread-safe: the loop and the threads it settles failures in both end tasks. While
+    Redis is out of reach, Celery's dispatcher keeps what it could not publish and sends
+    it with the next flush that can.
+    """
+
+    def __init__(self, app: Celery, hostname: str, queue: str) -> None:
+        self.app = app
+        self.hostname = hostname
+        self._queue = queue
+        self._lock = threading.Lock()
+        self._open: Counter[str] = Counter()  # task id -> its messages received, not ended
+        self._started: dict[str, float] = {}  # task id -> when its attempt began
+        self._processed = 0
+        self._connection: Any = None
+        self._dispatcher: Any = None  # from `start`
+        self._on_error: Callable[[Exception], None] = lambda _exc: None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._flushing, name="flower-events", daemon=True)
+
+    def start(self, on_error: Callable[[Exception], None]) -> None:
+        """Say the worker is online and publish from now on; ``on_error`` is told what a
+        flush could not do (Redis out of reach; the events wait for the next)."""
+        self._connection = self.app.connection_for_write()
+        self._dispatcher = self.app.events.Dispatcher(
+            self._connection,
+            hostname=self.hostname,
+            buffer_group=["task"],
+            buffer_limit=BATCH_LIMIT,
         )
+        self._on_error = on_error
+        self._dispatcher.send("worker-online", **worker_fields(0, 0))
+        self._thread.start()
+
+    def received(self, message: wire.Message) -> None:
+        """A message taken off the queue (run now or held for its eta)."""
+        task_id = wire.job_task_id(self._queue, message.job_id)
+        with self._lock:
+            self._open[task_id] += 1
+        eta = None if message.eta is None else datetime.fromtimestamp(message.eta, UTC)
+        self._send(
+            "task-received",
+            uuid=task_id,
+            name=TASK_GENERATE,
+            args=message.argsrepr,
+            kwargs=wire.kwargsrepr(message.job_id),
+            root_id=task_id,
+            parent_id=None,
+            retries=message.retries,
+            eta=None if eta is None else eta.isoformat(),
+            expires=None,
+        )
+
+    def started(self, job_id: int) -> None:
+        """Its job claimed: the attempt begins."""
+        task_id = wire.job_task_id(self._queue, job_id)
+        with self._lock:
+            self._started[task_id] = time.monotonic()
+        self._send("task-started", uuid=task_id)
+
+    def ended(self, job_id: int, result: Result) -> None:
+        """How the task of ``job_id`` ended."""
+        task_id = wire.job_task_id(self._queue, job_id)
+        kind, fields = ending(result)
+        with self._lock:
+            began = self._started.pop(task_id, None)
+            if self._open[task_id] > 1:
+                self._open[task_id] -= 1
+            else:
+                del self._open[task_id]
+            self._processed += 1
+        if kind == "task-succeeded":
+            fields["runtime"] = None if began is None else time.monotonic() - began
+        self._send(kind, uuid=task_id, **fields)
+
+    def close(self) -> None:
+        """End the tasks still open as given back, say the worker is offline with none
+        active, publish what is left and stop."""
+        if self._dispatcher is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            given_back = list(self._open)
+            self._open.clear()
+        try:
+            for task_id in given_back:
+                self._send(
+                    "task-retried",
+                    uuid=task_id,
+                    **ending(Result(Outcome.RETRY, reason=GIVEN_BACK))[1],
+                )
+            self._dispatcher.flush()
+            self._dispatcher.send("worker-offline", **worker_fields(0, self._processed))
+        finally:
+            self._dispatcher.close()
+            self._connection.release()
+
+    def _send(self, kind: str, **fields: Any) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.send(kind, **fields)
+
+    def _flushing(self) -> None:
+        beat = time.monotonic() + HEARTBEAT_S
+        while not self._stop.wait(FLUSH_S):
+            try:
+                self._dispatcher.flush()
+                if time.monotonic() >= beat:
+                    beat = time.monotonic() + HEARTBEAT_S
+                    with self._lock:  # active: running, as Celery counts it
+                        counts = (len(self._started), self._processed)
+                    self._dispatcher.send("worker-heartbeat", **worker_fields(*counts))
+            except Exception as exc:
+                self._on_error(exc)

@@ -28,8 +28,8 @@ A message is taken off the queue with ``RPOP``, not through kombu's unacked inde
 process took and never claimed (it was killed) is published again by the reconciler, as a
 dead Celery worker's prefetched messages are. Those it holds when it stops are pushed back.
 
-What it does not do: send per-task events to Flower (the worker's heartbeat, its metrics
-and ``eaglegen status`` show its work).
+Flower sees it as it sees a Celery-engine worker: the same task and worker events, sent
+by `worker.events.LoopEvents`.
 """
 
 from __future__ import annotations
@@ -58,19 +58,24 @@ from models.pg import connect_async
 from models.records import Claim, ClaimedJob, GenerationRecord
 from worker import metrics
 from worker.aio_sglang import AsyncSGLang
+from worker.celeryconfig import make_celery
+from worker.events import LoopEvents
 from worker.numa import PinResult
 from worker.outages import DATABASE_UNREACHABLE, Outages, one_line
 from worker.retry import AttemptError, backoff
 from worker.runner import (
+    CLAIM_LOST,
     DB_HOLD_LIMIT_MS,
     SLOTS_KEPT,
     Outcome,
+    Result,
     WorkerContext,
     checked_answer,
     give_back,
     release_held,
     run_claimed,
     settle_failure,
+    unclaimed,
     unexpected_error,
 )
 from worker.servers import MAX_POLL_S, Lease, Server
@@ -134,9 +139,11 @@ class _Postgres:
 class LoopWorker:
     """One worker process's requests on one event loop."""
 
-    def __init__(self, ctx: WorkerContext, services: Services) -> None:
+    def __init__(self, ctx: WorkerContext, services: Services, hostname: str) -> None:
         self.ctx = ctx
         s: Settings = ctx.settings
+        # Flower's view: the events a Celery worker of this name would send.
+        self.events = LoopEvents(make_celery(s, services.broker_url), hostname, s.queue)
         self._clients = {
             server.name: AsyncSGLang(
                 server.spec,
@@ -168,6 +175,7 @@ class LoopWorker:
     async def run(self) -> None:
         """Take and run jobs until `stop`; then wait up to the grace period for the
         attempts in flight, and push back the messages taken and not claimed."""
+        await asyncio.to_thread(self.events.start, self._events_failed)
         recorder = asyncio.create_task(self._recorder(), name="recorder")
         intake = asyncio.create_task(self._intake(), name="intake")
         try:
@@ -188,6 +196,10 @@ class LoopWorker:
             await self._claims.close()
             await self._records.close()
             await self._redis.aclose()
+            await asyncio.to_thread(self.events.close)  # what is still open went back
+
+    def _events_failed(self, exc: Exception) -> None:
+        self.ctx.outages.failed("flower events", exc)
 
     def stop(self) -> None:
         """Take no new job (the process is stopping); in the loop's thread."""
@@ -301,7 +313,11 @@ class LoopWorker:
         full, down or unidentified) go back to the queue for other workers, as the Celery
         engine sends back a message that found no slot."""
         if self._due and time.monotonic() - self._due_since > self.ctx.settings.slot_wait_s:
+            waited = [message.job_id for message in self._due]
             await asyncio.to_thread(self._push_back, held=False)
+            reason = "no free slot: this worker's servers are full, down or unidentified"
+            for job in waited:
+                self._ended(job, Result(Outcome.NO_SLOT, reason=reason))
 
     async def _wait_freed(self, timeout_s: float) -> None:
         self._freed.clear()
@@ -335,10 +351,12 @@ class LoopWorker:
                 self.ctx.settings.queue,
                 wire.refusal(raw),
             )
-        elif message.eta is not None and message.eta > now:
-            heapq.heappush(self._held, (message.eta, next(self._order), message))
         else:
-            taken.append(message)
+            self.events.received(message)
+            if message.eta is not None and message.eta > now:
+                heapq.heappush(self._held, (message.eta, next(self._order), message))
+            else:
+                taken.append(message)
 
     async def _hints(self, messages: Sequence[wire.Message]) -> list[str | None]:
         """The server each message's job should go to, when the advancer named one (a
@@ -401,56 +419,54 @@ class LoopWorker:
             claims = await claim_batch(
                 await self._claims.conn(), ids, ctx.name, ctx.settings.lease_seconds
             )
-        except BaseException:
-            self._unclaimed(messages, leases)
+        except BaseException as exc:
+            self._unclaimed(messages, leases, exc)
             raise
         ctx.outages.database_ok()
         unused: list[Lease] = []
-        deferred: list[int] = []
+        deferred: list[tuple[int, Result]] = []
         for message, claim, lease in zip(messages, claims, leases, strict=True):
             ctx.end_claim(message.job_id, claim.job is not None)
             if claim.job is None:
                 unused.append(lease)
                 self._not_run(message.job_id, claim, deferred)
             else:
+                self.events.started(message.job_id)
                 self._start(self._attempt(claim.job, lease))
         self._release(unused)
         if deferred:
             await asyncio.to_thread(self._defer, deferred)
 
-    def _not_run(self, job_id: int, claim: Claim, deferred: list[int]) -> None:
-        outcome = {
-            "deferred": Outcome.DEFERRED,
-            "skipped": Outcome.SKIPPED,
-        }.get(claim.outcome, Outcome.NOT_CLAIMED)
-        if outcome is Outcome.DEFERRED:
-            deferred.append(job_id)
-        self._ended(job_id, outcome)
+    def _not_run(self, job_id: int, claim: Claim, deferred: list[tuple[int, Result]]) -> None:
+        result = unclaimed(claim.outcome, self.ctx.settings.budget_defer_s)
+        if result.outcome is Outcome.DEFERRED:
+            deferred.append((job_id, result))
+        self._ended(job_id, result)
 
-    def _defer(self, jobs: list[int]) -> None:
+    def _defer(self, jobs: list[tuple[int, Result]]) -> None:
         """Budget deferrals: the feeder offers these jobs again after the wait."""
-        wait = self.ctx.settings.budget_defer_s
-        reason = (
-            "budget deferral: the rest of the budget is held by running jobs; "
-            f"asked again in {wait:g} s"
-        )
-        for job in jobs:
-            self.ctx.repo.defer(job, wait, reason)
+        for job, result in jobs:
+            self.ctx.repo.defer(job, result.retry_in_s, result.reason)
 
-    def _unclaimed(self, messages: list[wire.Message], leases: list[Lease]) -> None:
+    def _unclaimed(
+        self, messages: list[wire.Message], leases: list[Lease], exc: BaseException
+    ) -> None:
         """A claim batch that failed (Postgres out of reach): whether the claims committed
         is unknown, so the jobs are kept in doubt (for shutdown and the reconciler); the
-        messages are held for a backoff, as the Celery engine sends them back."""
+        messages are held for a backoff, as the Celery engine sends them back (Flower: a
+        retry, and the message received again)."""
         s = self.ctx.settings
+        reason = f"database unavailable: {one_line(exc)}"
         for message in messages:
             self.ctx.end_claim(message.job_id, None)
             countdown = backoff(message.retries + 1, s.retry_base_s, s.retry_cap_s)
-            self._held_until(message, time.time() + countdown)
+            when = time.time() + countdown
+            later = wire.Message(message.job_id, when, message.retries + 1, message.argsrepr)
+            if isinstance(exc, Exception):  # not the stop's cancel: it gives them back
+                self._ended(message.job_id, Result(Outcome.RETRY, countdown, reason=reason))
+                self.events.received(later)
+            heapq.heappush(self._held, (when, next(self._order), later))
         self._release(leases)
-
-    def _held_until(self, message: wire.Message, when: float) -> None:
-        later = wire.Message(message.job_id, when, message.retries + 1, message.argsrepr)
-        heapq.heappush(self._held, (when, next(self._order), later))
 
     # -- attempts ------------------------------------------------------------------------
 
@@ -512,7 +528,7 @@ class LoopWorker:
             self.ctx.end_attempt(job.id, settled)
             for each in held:
                 give_back(self.ctx, each)
-        self._ended(job.id, result.outcome)
+        self._ended(job.id, result)
 
     def _settle(self, job: ClaimedJob, lease: Lease, failure: AttemptError) -> None:
         """A failed attempt settled as the runner settles it (the slot kept until then, so
@@ -524,7 +540,7 @@ class LoopWorker:
         finally:
             self.ctx.end_attempt(job.id, settled)
             give_back(self.ctx, lease)
-        self._ended(job.id, result.outcome)
+        self._ended(job.id, result)
 
     def _unserved(self, job: ClaimedJob, why: str) -> None:
         """Another model answered: the job given back, refunded, for a server of its own."""
@@ -535,11 +551,12 @@ class LoopWorker:
             settled = True
         finally:
             self.ctx.end_attempt(job.id, settled)
-        self._ended(job.id, Outcome.UNSERVED)
+        self._ended(job.id, Result(Outcome.UNSERVED, wait, reason=why))
 
-    def _ended(self, job_id: int, outcome: Outcome) -> None:
-        self.ctx.metrics.attempt(outcome.value)
-        self.ctx.ended(job_id, outcome)
+    def _ended(self, job_id: int, result: Result) -> None:
+        self.ctx.metrics.attempt(result.outcome.value)
+        self.ctx.ended(job_id, result.outcome)
+        self.events.ended(job_id, result)
 
     # -- slots given back ----------------------------------------------------------------
 
@@ -596,10 +613,11 @@ class LoopWorker:
         twice); a row Postgres refuses costs only its own job."""
         try:
             stored = await self._stored(batch)
-        except psycopg.OperationalError:
+        except psycopg.OperationalError as exc:
+            reason = f"database unavailable: its answer not recorded ({one_line(exc)})"
             for answer in batch:  # given up: maybe ours still, kept in doubt
                 self.ctx.end_attempt(answer.job.id, False)
-                self._ended(answer.job.id, Outcome.RETRY)
+                self._ended(answer.job.id, Result(Outcome.RETRY, reason=reason))
             return
         except Exception as exc:  # e.g. an id beyond int32, which Postgres cannot hold
             if len(batch) > 1:
@@ -617,10 +635,10 @@ class LoopWorker:
                 self.ctx.metrics.recorded(
                     answer.server.name, gen.prompt_tokens, gen.completion_tokens
                 )
-                self._ended(answer.job.id, Outcome.DONE)
+                self._ended(answer.job.id, Result(Outcome.DONE, tokens=gen.completion_tokens))
             else:
-                log.warning("job %s: claim lost before recording; result dropped", answer.job.id)
-                self._ended(answer.job.id, Outcome.LOST)
+                log.warning("job %s: %s", answer.job.id, CLAIM_LOST)
+                self._ended(answer.job.id, Result(Outcome.LOST, reason=CLAIM_LOST))
 
     async def _stored(self, batch: list[_Answer]) -> list[bool]:
         s = self.ctx.settings
@@ -647,7 +665,7 @@ class LoopWorker:
             settled = True
         finally:
             self.ctx.end_attempt(answer.job.id, settled)
-        self._ended(answer.job.id, result.outcome)
+        self._ended(answer.job.id, result)
 
 
 async def _finish(task: asyncio.Task[None]) -> None:
@@ -742,10 +760,10 @@ def start(
         ctx.threads,
     )
     exporter = None if metrics_port is None else metrics.serve(ctx.metrics, metrics_port)
-    background = Background(ctx, None, name, pinned)
+    worker = LoopWorker(ctx, services, name)
+    background = Background(ctx, None, name, pinned, flower=worker.events.app)
     background.start()
     log.info("%s ready.", name)
-    worker = LoopWorker(ctx, services)
     try:
         run(worker, stop_on_signals(worker, ctx))
     finally:

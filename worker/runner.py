@@ -142,6 +142,32 @@ class Result:
     # its message back itself, as for NO_SLOT.
     resend: bool = False
 
+    def shown(self) -> str:
+        """The task's result in Flower when the job did not go back or fail: done and its
+        tokens, or what turned the attempt away (a duplicate message, a lost claim)."""
+        if self.outcome is Outcome.DONE:
+            return f"done · {self.tokens:,} tokens"
+        return f"{self.outcome.value}: {self.reason}"
+
+
+# Said when a job's claim was taken away before its answer was recorded.
+CLAIM_LOST = "claim lost before recording; result dropped"
+
+
+def unclaimed(outcome: str, defer_s: float) -> Result:
+    """What a claim that won no job means, by the claim's outcome (models.attempt): a
+    budget deferral (the feeder offers the job again after ``defer_s``), a spent budget,
+    or a job no longer queued."""
+    if outcome == "deferred":
+        reason = (
+            "budget deferral: the rest of the budget is held by running jobs; "
+            f"asked again in {defer_s:g} s"
+        )
+        return Result(Outcome.DEFERRED, retry_in_s=defer_s, reason=reason)
+    if outcome == "skipped":
+        return Result(Outcome.SKIPPED, reason="skipped_budget: the dataset's budget is spent")
+    return Result(Outcome.NOT_CLAIMED, reason="no longer queued (done or taken elsewhere)")
+
 
 @dataclass
 class WorkerContext:
@@ -417,18 +443,11 @@ def _claimed_attempt(ctx: WorkerContext, job_id: int, held: list[Lease]) -> Resu
     finally:
         ctx.end_claim(job_id, won)
     ctx.outages.database_ok()
-    if claim.outcome == "deferred":
-        wait = ctx.settings.budget_defer_s
-        reason = (
-            "budget deferral: the rest of the budget is held by running jobs; "
-            f"asked again in {wait:g} s"
-        )
-        ctx.repo.defer(job_id, wait, reason)  # the feeder offers it again after the wait
-        return Result(Outcome.DEFERRED, retry_in_s=wait, reason=reason)
-    if claim.outcome == "skipped":
-        return Result(Outcome.SKIPPED, reason="skipped_budget: the dataset's budget is spent")
     if claim.job is None:
-        return Result(Outcome.NOT_CLAIMED, reason="no longer queued (done or taken elsewhere)")
+        result = unclaimed(claim.outcome, ctx.settings.budget_defer_s)
+        if result.outcome is Outcome.DEFERRED:  # the feeder offers it again after the wait
+            ctx.repo.defer(job_id, result.retry_in_s, result.reason)
+        return result
     settled = False  # until the attempt ends settled; an error leaves the job in doubt
     try:
         result = run_claimed(ctx, claim.job, held)
@@ -517,8 +536,8 @@ def _generated(ctx: WorkerContext, job: ClaimedJob, lease: Lease, held: list[Lea
     if recorded:
         ctx.metrics.recorded(server.name, record.prompt_tokens, record.completion_tokens)
         return Result(Outcome.DONE, tokens=record.completion_tokens)
-    log.warning("job %s: claim lost before recording; result dropped", job.id)
-    return Result(Outcome.LOST, reason="claim lost before recording; result dropped")
+    log.warning("job %s: %s", job.id, CLAIM_LOST)
+    return Result(Outcome.LOST, reason=CLAIM_LOST)
 
 
 def unexpected_error(server: Server, exc: Exception) -> AttemptError:

@@ -1,10 +1,11 @@
-"""Issue 11: Flower tells the truth, seen in a real browser.
+"""Issue 11: Flower tells the truth, seen in a real browser, from either engine's worker.
 
-A real worker (in-thread, Celery threads pool) runs jobs of two datasets against the
-simulator while `eaglegen flower` (a subprocess, with a login) watches the broker; headless
-Chromium loads Flower's tasks page and must find a task labelled with its dataset whose
-result is its token count as stored in Postgres, and a budget-skipped task shown as
-SKIPPED, not as a success. Failures and deferrals are checked on Flower's API and task page.
+A real worker (in-thread: Celery's threads pool, or the loop engine) runs jobs of two
+datasets against the simulator while `eaglegen flower` (a subprocess, with a login) watches
+the broker; headless Chromium loads Flower's tasks page and must find a task labelled with
+its dataset whose result is its token count as stored in Postgres, and a budget-skipped
+task shown as SKIPPED, not as a success. Failures and deferrals are checked on Flower's API
+and task page.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ from tests.helpers import (
 )
 from tests.integration.test_worker_processes import wait_for, worker_env, worker_process
 from tests.sockets import HangUpServer
-from tests.workers import in_thread_worker
+from tests.workers import EACH_ENGINE, in_thread_worker
 from worker.app import nodename
 from worker.celeryconfig import make_celery
 from worker.events import FLUSH_S
 from worker.runner import WorkerContext
+
+pytestmark = EACH_ENGINE
 
 RUN = "flower-run"
 LOGIN = ("eagle", f"pw-{uuid.uuid4().hex[:12]}")
