@@ -1,7 +1,12 @@
 """On-policy conversations under faults (issue 30): worker processes killed with SIGKILL, the
 advancer's among them, Redis flushed and Postgres restarted, while multi-turn rows are
 answered turn by turn.
-Each turn's job must come into being exactly once, templated from the model's own answers."""
+Each turn's job must come into being exactly once, templated from the model's own answers.
+
+What is at stake here is the advancer's and the feeder's (worker.background's side loops, the
+same on either engine): these run against the default engine, where the kills and restarts
+of a plain run (test_kill_workers, test_service_restarts, test_soak) and the conversations
+themselves (tests/integration/test_conversations.py) run against each."""
 
 from __future__ import annotations
 
@@ -40,9 +45,8 @@ from tests.faults.harness import (
 )
 from tests.helpers import enqueue_file, write_jsonl
 from tests.integration.test_conversations import chat
-from tests.workers import EACH_ENGINE
 
-pytestmark = [pytest.mark.faults, EACH_ENGINE]
+pytestmark = pytest.mark.faults
 
 ROWS = 60
 # How long Postgres stays down: the workers, the feeder and the advancer must ride it out.
