@@ -3,7 +3,7 @@ processes against `eaglegen sim --preset P --time-scale S` over HTTP, default se
 
     .venv/bin/python -m bench.adaptive_e2e [--presets fast,kimi-k2,kv-rich] [--rounds 1]
         [--jobs-factor 1.0] [--time-scale PRESET=SCALE ...] [--knee PRESET=LEVEL ...]
-        [--adaptive-only]
+        [--adaptive-only] [--engine celery|loop]
 
 What `bench.adaptive` measures on a virtual clock in-process, measured as a user runs it.
 Per preset (its plan in `PLANS`: jobs, max_new_tokens, time scale, and the knee of
@@ -182,12 +182,12 @@ def settle_time(limits: Sequence[tuple[float, int]], start: float) -> float | No
 
 @contextmanager
 def worker_process(
-    settings: Settings, sim_url: str, level: int | None, log: Path
+    settings: Settings, sim_url: str, level: int | None, log: Path, engine: str | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`eaglegen worker` with default settings but the services and the simulator; with a
     ``level``, adaptive concurrency off and the server's ``max_inflight`` at it."""
     server: dict[str, object] = {"name": SERVER, "url": sim_url}
-    env = {}
+    env = {} if engine is None else {"EAGLEGEN_WORKER_ENGINE": engine}
     if level is not None:
         server["max_inflight"] = level
         env["EAGLEGEN_ADAPTIVE_CONCURRENCY"] = "false"
@@ -223,7 +223,7 @@ def one_run(
     worker_log = logs / f"worker-{run}.log"
     with sim_process(sim_args, logs / f"sim-{run}.log") as url:
         with (
-            worker_process(settings, url, level, worker_log) as worker,
+            worker_process(settings, url, level, worker_log, args.engine) as worker,
             Sampler(url, settings.broker_url, [worker.pid], SAMPLE_S) as sampler,
         ):
             enqueue(settings, prompts, run, plan.max_new_tokens, ORDER_SEED)
@@ -404,6 +404,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--adaptive-only", action="store_true", help="no fixed levels: the limit's path alone"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["celery", "loop"],
+        help="the workers' engine (EAGLEGEN_WORKER_ENGINE; default: the worker's default)",
     )
     parser.add_argument("--timeout-s", type=float, default=1200.0)
     parser.add_argument("--database-url", default=PG)

@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.worker_stalls [--threads 64,256,512,1024,default]
         [--limits adaptive,fixed] [--rounds 1] [--jobs 3000] [--max-new-tokens 128]
         [--sim-arg=--preset --sim-arg=fast ...] [--code before=DIR,after=.] [--workers 1]
+        [--engine celery|loop]
 
 Each run starts `--workers` `eaglegen worker` processes (`--concurrency N`, or no flag for
 `default`) with only the services and the simulator set, adaptive concurrency on
@@ -242,10 +243,13 @@ def worker_process(
     log: Path,
     metrics_port: int,
     code: Path,
+    engine: str | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`eaglegen worker` with default settings but the services, the simulator and (for
     ``fixed``) adaptive concurrency off; ``--concurrency`` unless ``threads`` is default."""
     env = {"EAGLEGEN_METRICS_PORT": str(metrics_port)}
+    if engine is not None:
+        env["EAGLEGEN_WORKER_ENGINE"] = engine
     if not adaptive:
         env["EAGLEGEN_ADAPTIVE_CONCURRENCY"] = "false"
     args = [] if threads == "default" else ["--concurrency", threads]
@@ -293,7 +297,9 @@ def one_run(
     with ExitStack() as stack:
         workers = [
             stack.enter_context(
-                worker_process(settings, sim_url, threads, adaptive, log, port, code[1])
+                worker_process(
+                    settings, sim_url, threads, adaptive, log, port, code[1], args.engine
+                )
             )
             for log, port in zip(logs_of, ports, strict=True)
         ]
@@ -431,6 +437,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--code", default="this=.", help="NAME=DIR,...: run workers from each tree in turn"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["celery", "loop"],
+        help="the workers' engine (EAGLEGEN_WORKER_ENGINE; default: the worker's default)",
     )
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--database-url", default=PG)
