@@ -102,7 +102,7 @@ class Settings(BaseModel):
     # How a worker process runs its requests: "celery", a task per message on Celery's
     # threads pool (Flower shows each); "loop", every request on one asyncio event loop,
     # messages taken and jobs claimed and recorded in batches (worker.loop; less CPU a
-    # job, no per-task events in Flower). docs/reference/worker.md, "Engines".
+    # job, the same events in Flower). docs/reference/worker.md, "Engines".
     worker_engine: Literal["celery", "loop"] = "celery"
     max_attempts: int = Field(default=5, ge=1)
     request_timeout_s: float = Field(default=3600.0, gt=0)
