@@ -1,5 +1,6 @@
 """How a worker's Celery events reach Flower: task events sent in batches, and the events
-it sends besides Celery's own, so that Flower ends true.
+it sends besides Celery's own, so that Flower ends true; and the same events sent by hand
+for the loop engine, which has no Celery worker (`LoopEvents`).
 
 Celery buffers a worker's task events (received, started, succeeded, ...) and asks its event
 loop to flush the buffer at its next turn, so a busy worker publishes them nearly one by
@@ -252,7 +253,8 @@ class LoopEvents:
         if self._dispatcher is None:
             return
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=5)
         with self._lock:
             given_back = list(self._open)
             self._open.clear()
@@ -265,9 +267,10 @@ class LoopEvents:
                 )
             self._dispatcher.flush()
             self._dispatcher.send("worker-offline", **worker_fields(0, self._processed))
-        finally:
             self._dispatcher.close()
             self._connection.release()
+        except Exception as exc:  # Redis out of reach: Flower keeps its last view
+            self._on_error(exc)
 
     def _send(self, kind: str, **fields: Any) -> None:
         if self._dispatcher is not None:

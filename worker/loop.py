@@ -456,7 +456,8 @@ class LoopWorker:
         messages are held for a backoff, as the Celery engine sends them back (Flower: a
         retry, and the message received again)."""
         s = self.ctx.settings
-        reason = f"database unavailable: {one_line(exc)}"
+        what = "database unavailable" if isinstance(exc, psycopg.Error) else "claim failed"
+        reason = f"{what}: {one_line(exc)}"
         for message in messages:
             self.ctx.end_claim(message.job_id, None)
             countdown = backoff(message.retries + 1, s.retry_base_s, s.retry_cap_s)
