@@ -1,10 +1,10 @@
-"""A soak of the loop engine: for EAGLEGEN_SOAK_S seconds (a minute when unset, as in CI),
+"""A soak of the loop engine: for EAGLEGEN_TEST_SOAK_S seconds (a minute when unset, as in CI),
 workers run a stream of jobs while, every few seconds at random, one is killed with SIGKILL
 or stopped with SIGTERM (and replaced), or Redis is restarted empty, or Postgres restarted.
 Then every job must be done exactly once, every audit invariant hold, and no worker have
 exited unasked.
 
-The long run: ``EAGLEGEN_SOAK_S=1800 make test-faults`` (or this file alone with pytest -s,
+The long run: ``EAGLEGEN_TEST_SOAK_S=1800 make test-faults`` (or this file alone with pytest -s,
 whose report line says what happened)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from tests.faults.harness import (
 
 pytestmark = pytest.mark.faults
 
-SOAK_S = float(os.environ.get("EAGLEGEN_SOAK_S", "60"))
+SOAK_S = float(os.environ.get("EAGLEGEN_TEST_SOAK_S", "60"))
 FAULT_EVERY_S = 5.0  # on average
 DOWNTIME_S = 2.0
 BATCH = 400  # jobs seeded whenever fewer than half a batch are left to run
