@@ -1,6 +1,7 @@
 """A soak of the loop engine: for EAGLEGEN_TEST_SOAK_S seconds (a minute when unset, as in CI),
-workers run a stream of jobs while, every few seconds at random, one is killed with SIGKILL
-or stopped with SIGTERM (and replaced), or Redis is restarted empty, or Postgres restarted.
+workers run a stream of jobs while, every few seconds, one is killed with SIGKILL or stopped
+with SIGTERM (and replaced), or Redis is restarted empty, or Postgres restarted: each fault
+in turn, in a random order.
 Then every job must be done exactly once, every audit invariant hold, and no worker have
 exited unasked.
 
@@ -46,6 +47,7 @@ FAULT_EVERY_S = 5.0  # on average
 DOWNTIME_S = 2.0
 BATCH = 400  # jobs seeded whenever fewer than half a batch are left to run
 WORKERS = 3
+FAULTS = ["kill", "term", "redis", "postgres"]
 
 
 @pytest.mark.parametrize("worker_engine", ["loop"])
@@ -68,10 +70,12 @@ def test_a_soak_under_kills_stops_and_service_restarts_loses_and_duplicates_noth
         seeded = [len(seed_jobs(settings, BATCH, dataset="d0"))]
         for _ in range(WORKERS):
             fleet.start()
+        order: list[str] = []
         while time.monotonic() - started < SOAK_S:
             time.sleep(FAULT_EVERY_S * rng.uniform(0.5, 1.5))
             _top_up(settings, repo, seeded)
-            fault = rng.choice(["kill", "term", "redis", "postgres"])
+            order = order or rng.sample(FAULTS, len(FAULTS))  # each in turn, in a random order
+            fault = order.pop()
             faults[fault] += _inject(fault, fleet, repo, private_redis, private_postgres, rng)
             fleet.replace_crashed()
         wait_settled(repo, fleet, timeout_s=300, supervise=True)
