@@ -50,6 +50,7 @@ WORKERS = 3
 FAULTS = ["kill", "term", "redis", "postgres"]
 
 
+@pytest.mark.timeout(SOAK_S + 600)  # the soak, then up to 300 s to settle
 @pytest.mark.parametrize("worker_engine", ["loop"])
 def test_a_soak_under_kills_stops_and_service_restarts_loses_and_duplicates_nothing(
     private_postgres: PrivatePostgres,
