@@ -50,7 +50,7 @@ WORKERS = 3
 FAULTS = ["kill", "term", "redis", "postgres"]
 
 
-@pytest.mark.timeout(SOAK_S + 600)  # the soak, then up to 300 s to settle
+@pytest.mark.timeout(SOAK_S + 600)  # the soak, then the settling's own wait and more
 @pytest.mark.parametrize("worker_engine", ["loop"])
 def test_a_soak_under_kills_stops_and_service_restarts_loses_and_duplicates_nothing(
     private_postgres: PrivatePostgres,
@@ -69,12 +69,13 @@ def test_a_soak_under_kills_stops_and_service_restarts_loses_and_duplicates_noth
     started = time.monotonic()
     try:
         seeded = [len(seed_jobs(settings, BATCH, dataset="d0"))]
+        refused = 0  # top-ups a service just restarted refused
         for _ in range(WORKERS):
             fleet.start()
         order: list[str] = []
         while time.monotonic() - started < SOAK_S:
             time.sleep(FAULT_EVERY_S * rng.uniform(0.5, 1.5))
-            _top_up(settings, repo, seeded)
+            refused += not _top_up(settings, repo, seeded)
             order = order or rng.sample(FAULTS, len(FAULTS))  # each in turn, in a random order
             fault = order.pop()
             faults[fault] += _inject(fault, fleet, repo, private_redis, private_postgres, rng)
@@ -89,6 +90,7 @@ def test_a_soak_under_kills_stops_and_service_restarts_loses_and_duplicates_noth
             seconds=round(time.monotonic() - started, 1),
             jobs=total,
             faults=dict(faults),
+            top_ups_refused=refused,
             attempts=attempts_histogram(repo),
             crashed_workers=fleet.crashed,
             **fleet.reconciler_totals(),
@@ -98,15 +100,16 @@ def test_a_soak_under_kills_stops_and_service_restarts_loses_and_duplicates_noth
         repo.engine.dispose()
 
 
-def _top_up(settings: Settings, repo: Repository, seeded: list[int]) -> None:
-    """A new dataset of BATCH jobs once fewer than half a batch are left to run (a service
-    just restarted may refuse: then at the next fault)."""
+def _top_up(settings: Settings, repo: Repository, seeded: list[int]) -> bool:
+    """A new dataset of BATCH jobs once fewer than half a batch are left to run; False when
+    a service just restarted refused (tried again at the next fault)."""
     try:
         left = state_counts(repo)["queued"]
         if left < BATCH // 2:
             seeded.append(len(seed_jobs(settings, BATCH, dataset=f"d{len(seeded)}")))
     except (DBAPIError, redis.RedisError):
-        pass
+        return False
+    return True
 
 
 def _inject(
