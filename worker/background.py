@@ -164,7 +164,7 @@ class Background:
             membind=None if self.pinned is None else str(self.pinned.membind),
         )
         heartbeat.write(self.ctx.redis, record, heartbeat_ttl(s))
-        self.ctx.outages.redis_ok()
+        self.ctx.outages.redis_ok(wrote=True)
         for conflict in self.ctx.hold_server_names():
             log.error("%s", conflict)
 

@@ -61,7 +61,7 @@ from worker.aio_sglang import AsyncSGLang
 from worker.celeryconfig import make_celery
 from worker.events import LoopEvents
 from worker.numa import PinResult
-from worker.outages import DATABASE_UNREACHABLE, Outages, one_line
+from worker.outages import DATABASE_UNREACHABLE, REDIS_FULL, Outages, one_line
 from worker.retry import AttemptError, backoff
 from worker.runner import (
     CLAIM_LOST,
@@ -167,6 +167,8 @@ class LoopWorker:
         self._freeing: dict[str, list[Lease]] = {}
         self._freed = asyncio.Event()
         self._stop = asyncio.Event()
+        # Why the worker stopped itself, unasked (it then exits 1): None while it did not.
+        self.unrecoverable: str | None = None
         # The grace period ended with requests in flight: their jobs were given back.
         self.abandoned = False
 
@@ -258,6 +260,13 @@ class LoopWorker:
         outage, as a side loop's is (worker.background), and tried again."""
         pause = FULL_POLL_S
         while not self._stop.is_set():
+            if (refusal := self.ctx.outages.reason(REDIS_FULL)) is not None:
+                # Redis refuses writes (seen by this loop or a side loop): no slot can be
+                # leased, no message published, and waiting will not empty it. Celery's
+                # worker stops on this as unrecoverable; so does this one, exit 1.
+                self.unrecoverable = f"OutOfMemoryError: {refusal}"
+                self.stop()
+                return
             try:
                 full = await self._intake_once()
             except Exception as exc:
@@ -785,4 +794,7 @@ def start(
             kept = f"; released {len(held)} job(s) it still held: {held}" if held else ""
             log.warning("worker stopped: %s%s", drain.summary, kept)
         ctx.close()
+    if worker.unrecoverable is not None:  # as the Celery engine says it
+        log.error("worker stopped (exit 1): %s", worker.unrecoverable)
+        return 1
     return 0

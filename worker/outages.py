@@ -25,10 +25,13 @@ log = logging.getLogger(__name__)
 DATABASE_UNREACHABLE = "database unreachable"
 DATABASE_BUSY = "database busy"
 REDIS_UNREACHABLE = "Redis unreachable"
+# Redis answers but refuses writes for want of memory (maxmemory reached, noeviction).
+REDIS_FULL = "Redis refuses writes"
 _ENDINGS = {
     DATABASE_UNREACHABLE: "database back",
     DATABASE_BUSY: "database answering again",
     REDIS_UNREACHABLE: "Redis back",
+    REDIS_FULL: "Redis takes writes again",
 }
 REMINDER_S = 60.0
 
@@ -37,6 +40,7 @@ REMINDER_S = 60.0
 class _Condition:
     since: float  # when it started (monotonic)
     said: float  # when a line last said it
+    reason: str  # why, as it was first said
     ended: str | None  # what to say when it ends (None: nothing)
 
 
@@ -77,7 +81,7 @@ class Outages:
             held = self._holding.get(condition)
             if held is None:
                 ending = ended if ended is not None else _ENDINGS.get(condition)
-                self._holding[condition] = _Condition(now, now, ending)
+                self._holding[condition] = _Condition(now, now, reason, ending)
                 self.began[condition] += 1
                 line: str | None = f"{condition}: {reason}; {then}"
             elif now - held.said >= self.remind_s:
@@ -118,21 +122,29 @@ class Outages:
         """Whether ``condition`` holds now."""
         return condition in self._holding
 
+    def reason(self, condition: str) -> str | None:
+        """Why ``condition`` holds, as first said; None while it does not."""
+        with self._lock:
+            held = self._holding.get(condition)
+        return None if held is None else held.reason
+
     def database_ok(self) -> None:
         """A statement just went through: the database is reachable and answers."""
         self.up(DATABASE_UNREACHABLE)
         self.up(DATABASE_BUSY)
 
-    def redis_ok(self) -> None:
-        """A Redis command just went through."""
+    def redis_ok(self, wrote: bool = False) -> None:
+        """A Redis command just went through (``wrote``: one that writes)."""
         self.up(REDIS_UNREACHABLE)
+        if wrote:
+            self.up(REDIS_FULL)
 
     def service_down(self, exc: BaseException) -> bool:
         """Note ``exc`` if it says a service is out of reach or busy; whether it did."""
         condition = service_trouble(exc)
         if condition is None:
             return False
-        self.down(condition, one_line(exc))
+        self.down(condition, redis_full(exc) or one_line(exc))
         return True
 
 
@@ -143,8 +155,20 @@ def service_trouble(exc: BaseException) -> str | None:
         return DATABASE_BUSY  # every pooled connection in use, or a row held too long
     if lost_database(exc) is not None:  # the one rule for "Postgres is gone" (models.db)
         return DATABASE_UNREACHABLE
+    if redis_full(exc) is not None:
+        return REDIS_FULL
     if isinstance(exc, redis.RedisError | KombuOperationalError):
         return REDIS_UNREACHABLE
+    return None
+
+
+def redis_full(exc: BaseException) -> str | None:
+    """Redis's refusal if ``exc`` is one of a write for want of memory (maxmemory reached
+    under noeviction), directly or from inside a script; None for any other error."""
+    if isinstance(exc, redis.OutOfMemoryError):
+        return one_line(exc)
+    if isinstance(exc, redis.ResponseError) and "-OOM " in (text := str(exc)):
+        return " ".join(text.split("-OOM ", 1)[1].split())[:300]
     return None
 
 

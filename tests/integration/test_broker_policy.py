@@ -20,6 +20,7 @@ from models.states import JobState
 from tests.faults.harness import make_repo
 from tests.helpers import enqueue_file, write_jsonl
 from tests.integration.test_worker_processes import eaglegen, wait_for, worker_env, worker_process
+from tests.workers import EACH_ENGINE
 
 WARNING = "Redis maxmemory-policy is allkeys-lru"
 
@@ -79,6 +80,7 @@ def test_status_reads_the_rest_of_redis_where_an_acl_refuses_info(
     assert "s3cret" not in shown.stdout + shown.stderr
 
 
+@EACH_ENGINE
 def test_a_worker_runs_where_an_acl_refuses_info(
     settings: Settings, sim: SimServer, info_refusing_redis: str, tmp_path: Path
 ) -> None:
@@ -120,6 +122,7 @@ def test_status_shows_no_bound_from_a_feeder_report_it_cannot_read(
     assert window["bound"] is None and window["in_redis"] == 0
 
 
+@EACH_ENGINE
 def test_a_worker_on_an_evicting_redis_says_so_at_start(
     settings: Settings, sim: SimServer, evicting_redis: str, tmp_path: Path
 ) -> None:
@@ -132,12 +135,14 @@ def test_a_worker_on_an_evicting_redis_says_so_at_start(
         wait_for(lambda: WARNING in " ".join(log.read_text().split()), 60, "the warning", log)
 
 
+@EACH_ENGINE
 def test_a_worker_whose_redis_refuses_writes_exits_non_zero_saying_why(
     settings: Settings, tmp_path: Path
 ) -> None:
     # Jobs flowing (a slow server keeps the worker fetching), then Redis fills up
-    # (noeviction): Celery stops on an unrecoverable OutOfMemoryError. Before, the process
-    # exited 0, and a supervisor restarting on failure left it down.
+    # (noeviction): Celery stops on an unrecoverable OutOfMemoryError, the loop engine on
+    # "Redis refuses writes". Before, the Celery engine's process exited 0, and a supervisor
+    # restarting on failure left it down.
     server = EmbeddedRedis(tmp_path / "full")
     server.start()
     client = redis.Redis.from_url(server.url)

@@ -10,7 +10,13 @@ import redis
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from worker.feeder import FeedLog, FeedReport
-from worker.outages import DATABASE_UNREACHABLE, REDIS_UNREACHABLE, Outages, service_trouble
+from worker.outages import (
+    DATABASE_UNREACHABLE,
+    REDIS_FULL,
+    REDIS_UNREACHABLE,
+    Outages,
+    service_trouble,
+)
 
 
 class Clock:
@@ -71,6 +77,28 @@ def test_errors_are_sorted_by_the_service_they_say_is_down() -> None:
     assert service_trouble(InterfaceError("x", {}, Exception())) == DATABASE_UNREACHABLE
     assert service_trouble(redis.ConnectionError("refused")) == REDIS_UNREACHABLE
     assert service_trouble(ValueError("bug")) is None
+
+
+FULL = "command not allowed when used memory > 'maxmemory'."
+# What redis-py raises for a script whose write Redis refused (a slot lease, say).
+IN_SCRIPT = f"Error running script (call to f_0d30): @user_script:8: @user_script: 8: -OOM {FULL}"
+
+
+@pytest.mark.parametrize("error", [redis.OutOfMemoryError(FULL), redis.ResponseError(IN_SCRIPT)])
+def test_a_redis_that_refuses_writes_is_full_not_unreachable_until_a_write_passes(
+    error: redis.RedisError, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    outages = Outages()
+    assert service_trouble(error) == REDIS_FULL
+    outages.failed("heartbeat loop", error)
+    assert outages.reason(REDIS_FULL) == FULL  # Redis's words, without the script's
+    outages.redis_ok()  # a read: writes may still be refused
+    assert outages.holds(REDIS_FULL) and not outages.holds(REDIS_UNREACHABLE)
+    outages.redis_ok(wrote=True)
+    assert outages.reason(REDIS_FULL) is None
+    assert said(caplog) == [f"{REDIS_FULL}: {FULL}; retrying", "Redis takes writes again after 0 s"]
+    assert service_trouble(redis.ResponseError("WRONGTYPE Operation against a key")) != REDIS_FULL
 
 
 def test_the_feeder_says_its_changes_of_state_and_a_summary_not_each_pass(
