@@ -748,8 +748,9 @@ def main() -> None:
     parser.add_argument(
         "--engine",
         choices=["celery", "loop"],
-        default="celery",
-        help="with --side pipeline: the workers' engine (EAGLEGEN_WORKER_ENGINE)",
+        default=Settings.model_fields["worker_engine"].default,
+        help="with --side pipeline: the workers' engine (EAGLEGEN_WORKER_ENGINE; default: "
+        "the worker's default)",
     )
     parser.add_argument(
         "--feed-window",

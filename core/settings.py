@@ -99,11 +99,12 @@ class Settings(BaseModel):
     # (workers x this must stay below the server's max_connections; docs/reference/worker.md,
     # "Many workers").
     db_pool_size: int = Field(default=8, ge=1, le=256)
-    # How a worker process runs its requests: "celery", a task per message on Celery's
-    # threads pool (Flower shows each); "loop", every request on one asyncio event loop,
-    # messages taken and jobs claimed and recorded in batches (worker.loop; less CPU a
-    # job, the same events in Flower). docs/reference/worker.md, "Engines".
-    worker_engine: Literal["celery", "loop"] = "celery"
+    # How a worker process runs its requests: "loop" (the default), every request on one
+    # asyncio event loop, messages taken and jobs claimed and recorded in batches
+    # (worker.loop; less CPU a job, so one process keeps a fast server busy); "celery", a
+    # task per message on Celery's threads pool. Flower shows both alike.
+    # docs/reference/worker.md, "Engines".
+    worker_engine: Literal["celery", "loop"] = "loop"
     max_attempts: int = Field(default=5, ge=1)
     request_timeout_s: float = Field(default=3600.0, gt=0)
     # Longest a request may go without progress once the server answered (see

@@ -148,9 +148,10 @@ def sim() -> Iterator[SimServer]:
 
 @pytest.fixture
 def worker_engine() -> str:
-    """The engine of the test's worker: a module runs its tests against each by
-    ``pytestmark = tests.workers.EACH_ENGINE`` (a parametrization overrides this fixture)."""
-    return "celery"
+    """The engine of the test's worker: the default `eaglegen worker` runs. A module runs its
+    tests against each by ``pytestmark = tests.workers.EACH_ENGINE``, or pins one by
+    ``tests.workers.CELERY_ONLY`` (a parametrization overrides this fixture)."""
+    return str(Settings.model_fields["worker_engine"].default)
 
 
 @pytest.fixture

@@ -25,6 +25,8 @@ from worker.runner import WorkerContext, release_held
 
 # A module's tests run against each worker engine (the conftest's `worker_engine`).
 EACH_ENGINE = pytest.mark.parametrize("worker_engine", ["celery", "loop"])
+# A test about the Celery engine's own parts (its threads pool, its intake, kombu's acks).
+CELERY_ONLY = pytest.mark.parametrize("worker_engine", ["celery"])
 # How long the tasks still running when a test's worker stops may take to end.
 TASKS_EXIT_S = 30.0
 

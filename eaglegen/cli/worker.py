@@ -45,9 +45,9 @@ def worker(
         str | None,
         typer.Option(
             envvar="EAGLEGEN_WORKER_ENGINE",
-            help="celery: a task per message on Celery's threads (Flower shows each); loop: "
-            "every request on one event loop, jobs claimed and recorded in batches (a quarter "
-            "of the CPU a job; no per-task events in Flower)",
+            help="loop (default): every request on one event loop, jobs claimed and recorded "
+            "in batches (less CPU a job); celery: a task per message on Celery's threads. "
+            "Flower shows both alike",
         ),
     ] = None,
     numa_node: Annotated[

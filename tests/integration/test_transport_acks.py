@@ -19,6 +19,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from core.settings import Settings
 from tests.helpers import InspectRepository, enqueue_file, sample_rows, write_jsonl
 from tests.integration.test_worker_processes import wait_for, worker_env, worker_process
+from tests.workers import CELERY_ONLY
 from worker.transport import Channel, Transport
 
 QUEUE = "acks-test"
@@ -132,6 +133,7 @@ def test_a_channel_closed_with_a_message_unacked_gives_it_back_and_keeps_the_ack
     assert received[1].delivery_tag in broker.lindex(QUEUE, 0).decode()
 
 
+@CELERY_ONLY  # the loop engine reads its messages without kombu (worker.loop)
 def test_a_worker_leaves_no_ack_unsent_once_idle_and_nothing_requeued_at_its_stop(
     settings: Settings, repo: InspectRepository, broker: redis.Redis, tmp_path: Path
 ) -> None:

@@ -16,6 +16,7 @@ from core import heartbeat
 from core.limits import read_limit
 from core.settings import Settings
 from eaglegen.sim import SimConfig, SimServer
+from eaglegen.sim.metrics import parse
 from models import pg
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
@@ -28,6 +29,7 @@ from tests.integration.test_worker_processes import (
     worker_process,
 )
 from tests.outage import lock_waiters
+from tests.workers import CELERY_ONLY, EACH_ENGINE
 from worker.intake import spare
 
 # Room for thousands of short requests (no KV limit near), each held ~10 s by its decode
@@ -47,6 +49,7 @@ def server_in_flight(sim: SimServer) -> int:
     return in_flight(httpx.get(f"{sim.url}/metrics", timeout=5).text)
 
 
+@EACH_ENGINE
 def test_a_default_worker_fills_a_limit_that_grows_past_its_start(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -88,6 +91,7 @@ def test_a_default_worker_fills_a_limit_that_grows_past_its_start(
     assert beat.threads == 1024  # the controller's ceiling, one server
 
 
+@CELERY_ONLY  # Celery's threads, each holding a message of Redis' unacked index
 def test_threads_beyond_the_limit_hold_no_message_the_server_has_no_room_for(
     settings: Settings, repo: Repository, tmp_path: Path
 ) -> None:
@@ -113,12 +117,14 @@ def test_threads_beyond_the_limit_hold_no_message_the_server_has_no_room_for(
     assert limit <= held < 2 * limit, (held, limit + spare(limit))
 
 
+@EACH_ENGINE
 def test_an_answer_frees_its_slot_before_its_record_is_written(
     settings: Settings, repo: Repository, tmp_path: Path
 ) -> None:
     # One slot, and the generations table locked: each answer's record waits on the lock.
-    # Had the slot stayed held until the record was written, one record at most would wait;
-    # freed with the answer, the next job is sent meanwhile and its record waits too.
+    # Had the slot stayed held until the record was written, one request at most would be
+    # answered; freed with the answer, the next job is sent meanwhile, and every job is
+    # answered before any is recorded.
     assert settings.database_url is not None
     with SimServer(SLOW) as sim, pg.connect(settings.database_url) as lock:
         env = worker_env(settings, [{"name": "sim", "url": sim.url, "max_inflight": 1}])
@@ -130,9 +136,15 @@ def test_an_answer_frees_its_slot_before_its_record_is_written(
                 enqueue_file(settings, write_short_prompts(tmp_path / "rows.jsonl", 3))
                 url = settings.database_url
 
-                def records_waiting() -> bool:
-                    return len(lock_waiters(url, "generations")) >= 2
+                def answered_unrecorded() -> bool:
+                    metrics = parse(httpx.get(f"{sim.url}/metrics", timeout=5).text)
+                    answered = sum(
+                        v for k, v in metrics.items() if k.startswith("sglang:num_requests_total")
+                    )
+                    return answered == 3 and len(lock_waiters(url, "generations")) >= 1
 
-                wait_for(records_waiting, timeout_s=120, what="two records waiting", log=log)
+                wait_for(answered_unrecorded, timeout_s=120, what="3 answered, none recorded",
+                         log=log)  # fmt: skip
+                assert all(c.states.get("done", 0) == 0 for c in repo.counts())
             states = wait_settled(repo, timeout_s=120)
     assert states["done"] == 3, states
