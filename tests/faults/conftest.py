@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from core.settings import Settings
 from eaglegen.sim import SimConfig, SimServer
+from models.db import upgrade
 from models.repository import Repository
 from tests.faults.harness import Fleet, PrivatePostgres, PrivateRedis, fault_settings, make_repo
 
@@ -80,6 +82,35 @@ def fleet_factory(tmp_path: Path) -> Iterator[FleetFactory]:
 def fleet(fleet_factory: FleetFactory, fast_settings: Settings, sim: SimServer) -> Fleet:
     """A fleet of workers on this test's services and the session's simulator."""
     return fleet_factory(fast_settings, [f"sim={sim.url}"])
+
+
+@dataclass
+class OwnServicesRun:
+    """A test's settings, repository and fleet on a Postgres and a Redis of its own."""
+
+    settings: Settings
+    repo: Repository
+    fleet: Fleet
+
+
+@pytest.fixture
+def own_services_run(
+    private_postgres: PrivatePostgres,
+    private_redis: PrivateRedis,
+    sim: SimServer,
+    fleet_factory: FleetFactory,
+    tmp_path: Path,
+    worker_engine: str,
+) -> Iterator[OwnServicesRun]:
+    """Workers of the test's engine on the session's simulator, with a Postgres of the test's
+    own, migrated, beside its own Redis: for a test that restarts either."""
+    upgrade(private_postgres.url)
+    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path, worker_engine)
+    repo = make_repo(settings)
+    try:
+        yield OwnServicesRun(settings, repo, fleet_factory(settings, [f"sim={sim.url}"]))
+    finally:
+        repo.engine.dispose()
 
 
 @pytest.fixture

@@ -23,20 +23,16 @@ from transformers import AutoTokenizer
 from core import keys
 from core.settings import Settings
 from eaglegen.assets import TOKENIZER_DIR
-from eaglegen.sim import SimServer
-from models.db import upgrade
 from models.repository import Repository
 from models.schema import Conversation, Generation, Job
 from models.states import JobState
-from tests.faults.conftest import FleetFactory
+from tests.faults.conftest import OwnServicesRun
 from tests.faults.harness import (
     Fleet,
     PrivatePostgres,
     PrivateRedis,
     WorkerProcess,
     busiest,
-    fault_settings,
-    make_repo,
     report,
     running_on,
     state_counts,
@@ -146,53 +142,40 @@ def test_redis_flushed_mid_conversations_loses_and_duplicates_no_turn(
 
 
 def test_postgres_restarted_mid_conversations_loses_and_duplicates_no_turn(
-    private_postgres: PrivatePostgres,
-    private_redis: PrivateRedis,
-    sim: SimServer,
-    fleet_factory: FleetFactory,
-    tmp_path: Path,
-    worker_engine: str,
+    own_services_run: OwnServicesRun, private_postgres: PrivatePostgres, tmp_path: Path
 ) -> None:
     """Postgres stopped and started while turns wait for their next and turns run: every
     connection is cut, the advancer's pass and the turns' records among them; the workers
     reconnect, leases expire, and each turn's job still comes into being once."""
     started = time.monotonic()
-    upgrade(private_postgres.url)
-    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path, worker_engine)
-    repo = make_repo(settings)
-    fleet = fleet_factory(settings, [f"sim={sim.url}"])
-    try:
-        points = _enqueue(settings, tmp_path)
-        fleet.start()
-        fleet.start()
-        done = int(0.3 * points)
+    settings, repo, fleet = own_services_run.settings, own_services_run.repo, own_services_run.fleet
+    points = _enqueue(settings, tmp_path)
+    fleet.start()
+    fleet.start()
+    done = int(0.3 * points)
 
-        def mid_run() -> list[int] | None:
-            running = repo.job_ids(state=JobState.RUNNING)
-            return running if _turns_wait(repo, done) and running else None
+    def mid_run() -> list[int] | None:
+        running = repo.job_ids(state=JobState.RUNNING)
+        return running if _turns_wait(repo, done) and running else None
 
-        running = wait_for(
-            mid_run, 120, f"{done} done turns, one waiting, one running", fleet.tails
-        )
-        private_postgres.stop()
-        time.sleep(PG_DOWNTIME_S)
-        private_postgres.start()
-        wait_settled(repo, fleet, timeout_s=150)
-        facts = _assert_every_turn_once_and_on_policy(repo, fleet)
-        assert all(w.running() for w in fleet.workers), fleet.tails()
-        outages = fleet.log_count("database unreachable")
-        assert outages, f"no worker noticed the outage: the test exercised nothing\n{fleet.tails()}"
-        report(
-            "conversations, postgres restarted",
-            running_at_stop=len(running),
-            outages_logged=outages,
-            tasks_failed_on_db=fleet.log_count("raised unexpected: OperationalError"),
-            seconds=round(time.monotonic() - started, 1),
-            **facts,
-            **fleet.reconciler_totals(),
-        )
-    finally:
-        repo.engine.dispose()
+    running = wait_for(mid_run, 120, f"{done} done turns, one waiting, one running", fleet.tails)
+    private_postgres.stop()
+    time.sleep(PG_DOWNTIME_S)
+    private_postgres.start()
+    wait_settled(repo, fleet, timeout_s=150)
+    facts = _assert_every_turn_once_and_on_policy(repo, fleet)
+    assert all(w.running() for w in fleet.workers), fleet.tails()
+    outages = fleet.log_count("database unreachable")
+    assert outages, f"no worker noticed the outage: the test exercised nothing\n{fleet.tails()}"
+    report(
+        "conversations, postgres restarted",
+        running_at_stop=len(running),
+        outages_logged=outages,
+        tasks_failed_on_db=fleet.log_count("raised unexpected: OperationalError"),
+        seconds=round(time.monotonic() - started, 1),
+        **facts,
+        **fleet.reconciler_totals(),
+    )
 
 
 def _enqueue(settings: Settings, tmp_path: Path) -> int:

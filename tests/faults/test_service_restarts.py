@@ -16,7 +16,7 @@ from core.urls import libpq_url
 from eaglegen.sim import SimServer
 from models.db import upgrade
 from models.repository import Repository
-from tests.faults.conftest import FleetFactory
+from tests.faults.conftest import FleetFactory, OwnServicesRun
 from tests.faults.harness import (
     Fleet,
     PrivatePostgres,
@@ -84,38 +84,27 @@ def test_redis_restarted_empty_mid_run_loses_nothing(
 
 
 def test_postgres_restarted_mid_run_loses_nothing(
-    private_postgres: PrivatePostgres,
-    private_redis: PrivateRedis,
-    sim: SimServer,
-    fleet_factory: FleetFactory,
-    tmp_path: Path,
-    worker_engine: str,
+    own_services_run: OwnServicesRun, private_postgres: PrivatePostgres
 ) -> None:
     """Every connection is cut; workers reconnect (pool_pre_ping) and leases recover."""
-    upgrade(private_postgres.url)
-    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path, worker_engine)
-    repo = make_repo(settings)
-    fleet = fleet_factory(settings, [f"sim={sim.url}"])
-    try:
-        total = len(seed_jobs(settings, JOBS))
-        fleet.start()
-        fleet.start()
-        _wait_done(repo, fleet, total // 4)
-        private_postgres.stop()
-        time.sleep(DOWNTIME_S)
-        private_postgres.start()
-        wait_settled(repo, fleet, timeout_s=150)
-        assert_exactly_once(repo, total, fleet)
-        _assert_all_running(fleet)
-        report(
-            "postgres restart",
-            jobs=total,
-            tasks_failed_on_db=fleet.log_count("raised unexpected: OperationalError"),
-            attempts=attempts_histogram(repo),
-            **fleet.reconciler_totals(),
-        )
-    finally:
-        repo.engine.dispose()
+    settings, repo, fleet = own_services_run.settings, own_services_run.repo, own_services_run.fleet
+    total = len(seed_jobs(settings, JOBS))
+    fleet.start()
+    fleet.start()
+    _wait_done(repo, fleet, total // 4)
+    private_postgres.stop()
+    time.sleep(DOWNTIME_S)
+    private_postgres.start()
+    wait_settled(repo, fleet, timeout_s=150)
+    assert_exactly_once(repo, total, fleet)
+    _assert_all_running(fleet)
+    report(
+        "postgres restart",
+        jobs=total,
+        tasks_failed_on_db=fleet.log_count("raised unexpected: OperationalError"),
+        attempts=attempts_histogram(repo),
+        **fleet.reconciler_totals(),
+    )
 
 
 def _wait_done(repo: Repository, fleet: Fleet, done: int) -> None:

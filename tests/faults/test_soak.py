@@ -14,26 +14,21 @@ import os
 import random
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import redis
 from sqlalchemy.exc import DBAPIError
 
 from core.settings import Settings
-from eaglegen.sim import SimServer
-from models.db import upgrade
 from models.repository import Repository
-from tests.faults.conftest import FleetFactory
+from tests.faults.conftest import OwnServicesRun
 from tests.faults.harness import (
     Fleet,
     PrivatePostgres,
     PrivateRedis,
     assert_exactly_once,
     attempts_histogram,
-    fault_settings,
     kill_a_holder,
-    make_repo,
     report,
     seed_jobs,
     state_counts,
@@ -53,51 +48,43 @@ FAULTS = ["kill", "term", "redis", "postgres"]
 @pytest.mark.timeout(SOAK_S + 600)  # the soak, then the settling's own wait and more
 @pytest.mark.parametrize("worker_engine", ["loop"])
 def test_a_soak_under_kills_stops_and_service_restarts_loses_and_duplicates_nothing(
+    own_services_run: OwnServicesRun,
     private_postgres: PrivatePostgres,
     private_redis: PrivateRedis,
-    sim: SimServer,
-    fleet_factory: FleetFactory,
-    tmp_path: Path,
     worker_engine: str,
 ) -> None:
-    upgrade(private_postgres.url)
-    settings = fault_settings(private_postgres.url, private_redis.url, tmp_path, worker_engine)
-    repo = make_repo(settings)
-    fleet = fleet_factory(settings, [f"sim={sim.url}"])
+    settings, repo, fleet = own_services_run.settings, own_services_run.repo, own_services_run.fleet
     rng = random.Random(20_261_206)
     faults: Counter[str] = Counter()
     started = time.monotonic()
-    try:
-        seeded = [len(seed_jobs(settings, BATCH, dataset="d0"))]
-        refused = 0  # top-ups a service just restarted refused
-        for _ in range(WORKERS):
-            fleet.start()
-        order: list[str] = []
-        while time.monotonic() - started < SOAK_S:
-            time.sleep(FAULT_EVERY_S * rng.uniform(0.5, 1.5))
-            refused += not _top_up(settings, repo, seeded)
-            order = order or rng.sample(FAULTS, len(FAULTS))  # each in turn, in a random order
-            fault = order.pop()
-            faults[fault] += _inject(fault, fleet, repo, private_redis, private_postgres, rng)
-            fleet.replace_crashed()
-        wait_settled(repo, fleet, timeout_s=300, supervise=True)
-        total = sum(seeded)
-        assert_exactly_once(repo, total, fleet)
-        assert faults["kill"] and faults["redis"] and faults["postgres"], faults
-        report(
-            "soak",
-            engine=worker_engine,
-            seconds=round(time.monotonic() - started, 1),
-            jobs=total,
-            faults=dict(faults),
-            top_ups_refused=refused,
-            attempts=attempts_histogram(repo),
-            crashed_workers=fleet.crashed,
-            **fleet.reconciler_totals(),
-        )
-        assert not fleet.crashed, f"{fleet.crashed} exited unasked\n{fleet.tails()}"
-    finally:
-        repo.engine.dispose()
+    seeded = [len(seed_jobs(settings, BATCH, dataset="d0"))]
+    refused = 0  # top-ups a service just restarted refused
+    for _ in range(WORKERS):
+        fleet.start()
+    order: list[str] = []
+    while time.monotonic() - started < SOAK_S:
+        time.sleep(FAULT_EVERY_S * rng.uniform(0.5, 1.5))
+        refused += not _top_up(settings, repo, seeded)
+        order = order or rng.sample(FAULTS, len(FAULTS))  # each in turn, in a random order
+        fault = order.pop()
+        faults[fault] += _inject(fault, fleet, repo, private_redis, private_postgres, rng)
+        fleet.replace_crashed()
+    wait_settled(repo, fleet, timeout_s=300, supervise=True)
+    total = sum(seeded)
+    assert_exactly_once(repo, total, fleet)
+    assert faults["kill"] and faults["redis"] and faults["postgres"], faults
+    report(
+        "soak",
+        engine=worker_engine,
+        seconds=round(time.monotonic() - started, 1),
+        jobs=total,
+        faults=dict(faults),
+        top_ups_refused=refused,
+        attempts=attempts_histogram(repo),
+        crashed_workers=fleet.crashed,
+        **fleet.reconciler_totals(),
+    )
+    assert not fleet.crashed, f"{fleet.crashed} exited unasked\n{fleet.tails()}"
 
 
 def _top_up(settings: Settings, repo: Repository, seeded: list[int]) -> bool:
