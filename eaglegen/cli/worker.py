@@ -1,4 +1,4 @@
-"""`eaglegen worker`: run Celery workers that generate queued jobs, or check they live."""
+"""`eaglegen worker`: run workers that generate queued jobs, or check they live."""
 
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ def worker(
             envvar="EAGLEGEN_WORKER_CONCURRENCY",
             # The rule of worker.intake.default_threads, written out: worker modules are
             # imported when a command runs, not for --help.
-            help="Threads: the most requests in flight at once (default: the most its "
-            "servers' in-flight limits can reach; a worker takes only the jobs its servers "
-            "have room for)",
+            help="The most requests in flight at once, the Celery engine's threads (default: "
+            "the most its servers' in-flight limits can reach; a worker takes only the jobs "
+            "its servers have room for)",
         ),
     ] = None,
     engine: Annotated[
@@ -80,7 +80,8 @@ def worker(
     broker_url: BrokerUrl = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Run a Celery worker (threads pool) that generates queued jobs."""
+    """Run a worker that generates queued jobs (every request on one event loop; with
+    --engine celery, a Celery worker on a threads pool)."""
     import socket
 
     from core import heartbeat
