@@ -102,7 +102,7 @@ class Settings(BaseModel):
     # How a worker process runs its requests: "loop" (the default), every request on one
     # asyncio event loop, messages taken and jobs claimed and recorded in batches
     # (worker.loop; less CPU a job, so one process keeps a fast server busy); "celery", a
-    # task per message on Celery's threads pool. Flower shows both alike.
+    # task per message on Celery's threads pool. Flower shows either's jobs as tasks.
     # docs/reference/worker.md, "Engines".
     worker_engine: Literal["celery", "loop"] = "loop"
     max_attempts: int = Field(default=5, ge=1)

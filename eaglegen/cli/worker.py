@@ -47,7 +47,7 @@ def worker(
             envvar="EAGLEGEN_WORKER_ENGINE",
             help="loop (default): every request on one event loop, jobs claimed and recorded "
             "in batches (less CPU a job); celery: a task per message on Celery's threads. "
-            "Flower shows both alike",
+            "Flower shows either's jobs as tasks",
         ),
     ] = None,
     numa_node: Annotated[
