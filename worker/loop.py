@@ -94,6 +94,12 @@ BATCH_CONNECTIONS = 2
 # MAX_POLL_S.
 EMPTY_WAIT_S = 1
 FULL_POLL_S = 0.02
+# Answers that end in one decode step reach the worker over a few turns of the loop. Woken
+# by the first, the intake waits this share of a request's mean duration (at most
+# GATHER_MAX_S) for the rest, so that their replacements reach the server together and
+# share its prefill passes. Where answers come at once, the wait is nothing.
+GATHER_SHARE = 0.01
+GATHER_MAX_S = 0.005
 
 
 @dataclass
@@ -166,6 +172,7 @@ class LoopWorker:
         self._answers: asyncio.Queue[_Answer | None] = asyncio.Queue()
         self._freeing: dict[str, list[Lease]] = {}
         self._freed = asyncio.Event()
+        self._request_s = 0.0  # a request's mean duration, recent ones weighing most
         self._stop = asyncio.Event()
         # Why the worker stopped itself, unasked (it then exits 1): None while it did not.
         self.unrecoverable: str | None = None
@@ -279,6 +286,8 @@ class LoopWorker:
                 continue
             # Servers full, down or unidentified: a slot this process frees wakes it.
             await self._wait_freed(pause)
+            if self._freed.is_set():
+                await asyncio.sleep(min(GATHER_MAX_S, GATHER_SHARE * self._request_s))
             pause = min(2 * pause, MAX_POLL_S)
 
     async def _intake_once(self) -> bool:
@@ -503,6 +512,7 @@ class LoopWorker:
             await asyncio.to_thread(self._elsewhere, job, lease)
             return
         failure: AttemptError | None = None
+        sent = time.monotonic()
         with self.ctx.metrics.request(server.name) as request:
             try:
                 # Streamed as the threaded client would (EAGLEGEN_STREAM, else as the
@@ -521,6 +531,7 @@ class LoopWorker:
             await asyncio.to_thread(self._settle, job, lease, failure)
             return
         self._free(lease)
+        self._request_s += 0.05 * (time.monotonic() - sent - self._request_s)
         if changed := server.still_serves(job.run_model):  # another model answered
             await asyncio.to_thread(self._unserved, job, changed)
             return
