@@ -143,8 +143,7 @@ def test_an_answer_frees_its_slot_before_its_record_is_written(
                     )
                     return answered == 3 and len(lock_waiters(url, "generations")) >= 1
 
-                wait_for(answered_unrecorded, timeout_s=120, what="3 answered, none recorded",
-                         log=log)  # fmt: skip
+                wait_for(answered_unrecorded, 120, what="3 answered, none recorded", log=log)
                 assert all(c.states.get("done", 0) == 0 for c in repo.counts())
             states = wait_settled(repo, timeout_s=120)
     assert states["done"] == 3, states
