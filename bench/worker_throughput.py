@@ -221,14 +221,14 @@ def worker_process(
     log: Path,
     stream: bool = False,
     threads: int | None = None,
-    engine: str | None = None,
+    engine: str = Settings.model_fields["worker_engine"].default,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`eaglegen worker --concurrency N` with an in-flight limit of N on the simulator
     (asking for streamed answers with ``stream``); ``threads``: fewer threads than N, for
-    one of several processes sharing the limit; ``engine``: EAGLEGEN_WORKER_ENGINE (None:
-    the worker's default)."""
+    one of several processes sharing the limit; ``engine``: EAGLEGEN_WORKER_ENGINE, set
+    whatever the caller's environment says."""
     env = {
-        "EAGLEGEN_WORKER_ENGINE": engine or Settings.model_fields["worker_engine"].default,
+        "EAGLEGEN_WORKER_ENGINE": engine,
         "EAGLEGEN_SERVER_MAX_INFLIGHT": str(concurrency),
         # The same concurrency as the bare client, held: this compares the pipeline's cost.
         "EAGLEGEN_ADAPTIVE_CONCURRENCY": "false",

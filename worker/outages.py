@@ -144,7 +144,8 @@ class Outages:
         condition = service_trouble(exc)
         if condition is None:
             return False
-        self.down(condition, redis_full(exc) or one_line(exc))
+        refusal = redis_full(exc) if condition == REDIS_FULL else None
+        self.down(condition, refusal or one_line(exc))
         return True
 
 

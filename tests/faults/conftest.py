@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -84,8 +84,7 @@ def fleet(fleet_factory: FleetFactory, fast_settings: Settings, sim: SimServer) 
     return fleet_factory(fast_settings, [f"sim={sim.url}"])
 
 
-@dataclass
-class OwnServicesRun:
+class OwnServicesRun(NamedTuple):
     """A test's settings, repository and fleet on a Postgres and a Redis of its own."""
 
     settings: Settings

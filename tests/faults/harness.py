@@ -116,12 +116,12 @@ def make_repo(settings: Settings) -> Repository:
 
 
 def fault_settings(
-    database_url: str, broker_url: str, tmp_path: Path, worker_engine: str | None = None
+    database_url: str, broker_url: str, tmp_path: Path, worker_engine: str
 ) -> Settings:
     """Settings of one fault test: its services, its own queue, its workers' engine and the
     fast knobs."""
     return Settings(
-        worker_engine=worker_engine or Settings.model_fields["worker_engine"].default,
+        worker_engine=worker_engine,
         database_url=database_url,
         broker_url=broker_url,
         data_dir=tmp_path / "data",

@@ -148,7 +148,7 @@ def test_postgres_restarted_mid_conversations_loses_and_duplicates_no_turn(
     connection is cut, the advancer's pass and the turns' records among them; the workers
     reconnect, leases expire, and each turn's job still comes into being once."""
     started = time.monotonic()
-    settings, repo, fleet = own_services_run.settings, own_services_run.repo, own_services_run.fleet
+    settings, repo, fleet = own_services_run
     points = _enqueue(settings, tmp_path)
     fleet.start()
     fleet.start()

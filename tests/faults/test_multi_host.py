@@ -187,7 +187,7 @@ class BridgeRedis(EmbeddedRedis):
 
 
 def test_a_cut_host_loses_and_duplicates_nothing(
-    database_url: str, network: dict[str, Host], tmp_path: Path
+    database_url: str, network: dict[str, Host], tmp_path: Path, worker_engine: str
 ) -> None:
     started = time.monotonic()
     broker = BridgeRedis(tmp_path / "redis")
@@ -195,7 +195,8 @@ def test_a_cut_host_loses_and_duplicates_nothing(
     forward = Forward(postgres_target(database_url))
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        settings = fault_settings(through(database_url, forward.port), broker.url, tmp_path)
+        url = through(database_url, forward.port)
+        settings = fault_settings(url, broker.url, tmp_path, worker_engine)
         repo = make_repo(settings)
         total = len(seed_jobs(settings, JOBS, max_new_tokens=32))
         sim_port = free_port()

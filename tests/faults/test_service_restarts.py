@@ -87,7 +87,7 @@ def test_postgres_restarted_mid_run_loses_nothing(
     own_services_run: OwnServicesRun, private_postgres: PrivatePostgres
 ) -> None:
     """Every connection is cut; workers reconnect (pool_pre_ping) and leases recover."""
-    settings, repo, fleet = own_services_run.settings, own_services_run.repo, own_services_run.fleet
+    settings, repo, fleet = own_services_run
     total = len(seed_jobs(settings, JOBS))
     fleet.start()
     fleet.start()

@@ -53,7 +53,7 @@ def test_a_soak_under_kills_stops_and_service_restarts_loses_and_duplicates_noth
     private_redis: PrivateRedis,
     worker_engine: str,
 ) -> None:
-    settings, repo, fleet = own_services_run.settings, own_services_run.repo, own_services_run.fleet
+    settings, repo, fleet = own_services_run
     rng = random.Random(20_261_206)
     faults: Counter[str] = Counter()
     started = time.monotonic()

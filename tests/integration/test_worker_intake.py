@@ -16,7 +16,6 @@ from core import heartbeat
 from core.limits import read_limit
 from core.settings import Settings
 from eaglegen.sim import SimConfig, SimServer
-from eaglegen.sim.metrics import parse
 from models import pg
 from models.repository import Repository
 from tests.helpers import enqueue_file, sample_rows, wait_settled, write_jsonl
@@ -24,6 +23,7 @@ from tests.integration.test_worker_processes import (
     InFlightSampler,
     in_flight,
     live_pids,
+    summed,
     wait_for,
     worker_env,
     worker_process,
@@ -137,10 +137,8 @@ def test_an_answer_frees_its_slot_before_its_record_is_written(
                 url = settings.database_url
 
                 def answered_unrecorded() -> bool:
-                    metrics = parse(httpx.get(f"{sim.url}/metrics", timeout=5).text)
-                    answered = sum(
-                        v for k, v in metrics.items() if k.startswith("sglang:num_requests_total")
-                    )
+                    metrics = httpx.get(f"{sim.url}/metrics", timeout=5).text
+                    answered = summed(metrics, "sglang:num_requests_total")
                     return answered == 3 and len(lock_waiters(url, "generations")) >= 1
 
                 wait_for(answered_unrecorded, 120, what="3 answered, none recorded", log=log)

@@ -103,10 +103,15 @@ def live_pids(settings: Settings) -> set[int]:
     return {b.pid for b in heartbeat.alive(settings.broker_url, None, max_age_s=5)}
 
 
+def summed(metrics: str, *names: str) -> int:
+    """The metrics ``names`` of a /metrics text added up, whatever their labels."""
+    prefixes = tuple(f"{name}{{" for name in names)
+    return int(sum(v for k, v in parse(metrics).items() if k.startswith(prefixes)))
+
+
 def in_flight(metrics: str) -> int:
-    """Running plus waiting requests in a /metrics text (whatever the labels)."""
-    names = ("sglang:num_running_reqs{", "sglang:num_queue_reqs{")
-    return int(sum(v for k, v in parse(metrics).items() if k.startswith(names)))
+    """Running plus waiting requests in a /metrics text."""
+    return summed(metrics, "sglang:num_running_reqs", "sglang:num_queue_reqs")
 
 
 class InFlightSampler:
